@@ -14,7 +14,8 @@ import torch
 
 # %% auto #0
 __all__ = ['PRECISIONS', 'GuardError', 'set_seed', 'pick_device', 'pick_precision', 'autocast', 'sha256_file', 'sha256_bytes',
-           'atomic_path', 'atomic_write_bytes', 'to_jsonable', 'atomic_write_json', 'code_version', 'RunDir']
+           'atomic_path', 'atomic_write_bytes', 'to_jsonable', 'atomic_write_json', 'folder_lock', 'code_version',
+           'RunDir']
 
 # %% ../nbs/00_core.ipynb #03855c84
 class GuardError(RuntimeError):
@@ -114,6 +115,19 @@ def to_jsonable(obj: Any) -> Any:
 def atomic_write_json(path: str | Path, obj: Any) -> Path:
     "Write `obj` as indented JSON to `path` atomically."
     return atomic_write_bytes(path, (json.dumps(to_jsonable(obj), indent=2, sort_keys=False) + "\n").encode())
+
+# %% ../nbs/00_core.ipynb #4520fa6f
+@contextlib.contextmanager
+def folder_lock(folder: str | Path # the folder to hold
+               ) -> Iterator[Path]:
+    "Hold an exclusive lock on `folder` (blocking until other holders finish); a no-op where flock is missing."
+    folder = Path(folder); folder.mkdir(parents=True, exist_ok=True)
+    try: import fcntl
+    except ImportError: yield folder; return
+    with open(folder / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try: yield folder
+        finally: fcntl.flock(f, fcntl.LOCK_UN)
 
 # %% ../nbs/00_core.ipynb #9c9715b8
 def code_version() -> str:

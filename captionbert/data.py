@@ -16,15 +16,16 @@ import torch
 from .core import sha256_file, sha256_bytes
 
 # %% auto #0
-__all__ = ['STS_DIR_VAR', 'CAPTIONS_VAR', 'BERT_TOKENIZER_HUB', 'MAX_TOKENS', 'NOUNS', 'COLOURS', 'SIZES', 'MATERIALS',
-           'RELATIONS', 'ATTRIBUTE_KINDS', 'repo_root', 'find_data', 'bundled_minilm_path', 'load_tokenizer',
-           'TextFileCaptions', 'HubCaptions', 'SceneObject', 'Scene', 'SceneGrammar', 'open_captions',
+__all__ = ['STS_DIR_VAR', 'CAPTIONS_VAR', 'CACHE_VAR', 'BERT_TOKENIZER_HUB', 'MAX_TOKENS', 'NOUNS', 'COLOURS', 'SIZES',
+           'MATERIALS', 'RELATIONS', 'ATTRIBUTE_KINDS', 'repo_root', 'find_data', 'cache_dir', 'bundled_minilm_path',
+           'load_tokenizer', 'TextFileCaptions', 'HubCaptions', 'SceneObject', 'Scene', 'SceneGrammar', 'open_captions',
            'default_captions', 'tokenize', 'Batch', 'collate', 'sorted_batches', 'LengthBucketSampler',
            'padding_report', 'stratified_sample']
 
-# %% ../nbs/01_data.ipynb #448a10ef
+# %% ../nbs/01_data.ipynb #6a22a8ee
 STS_DIR_VAR = "CAPTIONBERT_STS_DIR"        # folder of <task>.tsv files for the benchmark
 CAPTIONS_VAR = "CAPTIONBERT_CAPTIONS"      # a caption text file, one caption a line
+CACHE_VAR = "CAPTIONBERT_CACHE"            # where reusable intermediate results (teacher embeddings) are kept
 
 def repo_root() -> Path | None:
     "The checkout this package runs from (the folder with captionbert's pyproject.toml), or None when installed."
@@ -43,6 +44,15 @@ def find_data(env_var: str, # the variable a user sets to point at their copy
     if root is not None and (root.parent / "shared" / "data" / dev_relpath).exists():
         return root.parent / "shared" / "data" / dev_relpath
     return None
+
+def cache_dir(*parts: str # sub-folders
+             ) -> Path:
+    "A folder for reusable intermediate results: $CAPTIONBERT_CACHE, else runs/cache in the checkout, else ~/.cache/captionbert."
+    if os.environ.get(CACHE_VAR): base = Path(os.environ[CACHE_VAR]).expanduser()
+    elif repo_root() is not None: base = repo_root() / "runs" / "cache"
+    else: base = Path.home() / ".cache" / "captionbert"
+    d = base.joinpath(*parts); d.mkdir(parents=True, exist_ok=True)
+    return d
 
 # %% ../nbs/01_data.ipynb #7342d068
 BERT_TOKENIZER_HUB = "bert-base-uncased"
