@@ -17,12 +17,12 @@ from .core import sha256_file, sha256_bytes
 
 # %% auto #0
 __all__ = ['STS_DIR_VAR', 'CAPTIONS_VAR', 'CACHE_VAR', 'BERT_TOKENIZER_HUB', 'MAX_TOKENS', 'NOUNS', 'COLOURS', 'SIZES',
-           'MATERIALS', 'RELATIONS', 'ATTRIBUTE_KINDS', 'repo_root', 'find_data', 'cache_dir', 'bundled_minilm_path',
-           'load_tokenizer', 'TextFileCaptions', 'HubCaptions', 'SceneObject', 'Scene', 'SceneGrammar', 'open_captions',
-           'default_captions', 'tokenize', 'Batch', 'collate', 'sorted_batches', 'LengthBucketSampler',
-           'padding_report', 'stratified_sample']
+           'MATERIALS', 'RELATIONS', 'ATTRIBUTE_KINDS', 'repo_root', 'find_data', 'cache_dir', 'runs_dir',
+           'bundled_minilm_path', 'load_tokenizer', 'TextFileCaptions', 'HubCaptions', 'SceneObject', 'Scene',
+           'SceneGrammar', 'open_captions', 'default_captions', 'tokenize', 'Batch', 'collate', 'sorted_batches',
+           'LengthBucketSampler', 'padding_report', 'stratified_sample']
 
-# %% ../nbs/01_data.ipynb #6a22a8ee
+# %% ../nbs/01_data.ipynb #b68a476c
 STS_DIR_VAR = "CAPTIONBERT_STS_DIR"        # folder of <task>.tsv files for the benchmark
 CAPTIONS_VAR = "CAPTIONBERT_CAPTIONS"      # a caption text file, one caption a line
 CACHE_VAR = "CAPTIONBERT_CACHE"            # where reusable intermediate results (teacher embeddings) are kept
@@ -52,6 +52,14 @@ def cache_dir(*parts: str # sub-folders
     elif repo_root() is not None: base = repo_root() / "runs" / "cache"
     else: base = Path.home() / ".cache" / "captionbert"
     d = base.joinpath(*parts); d.mkdir(parents=True, exist_ok=True)
+    return d
+
+def runs_dir(*parts: str # sub-folders
+            ) -> Path:
+    "Where runs write by default: runs/ in the checkout, else ./runs."
+    root = repo_root()
+    d = (root / "runs" if root is not None else Path.cwd() / "runs").joinpath(*parts)
+    d.mkdir(parents=True, exist_ok=True)
     return d
 
 # %% ../nbs/01_data.ipynb #7342d068

@@ -143,7 +143,7 @@ def save_tiny_teacher(family: str, # a key of TINY_FAMILY_CONFIGS
     AutoTokenizer.from_pretrained(str(bundled_minilm_path())).save_pretrained(folder)
     return folder
 
-# %% ../nbs/01a_teachers.ipynb #b13c04cf
+# %% ../nbs/01a_teachers.ipynb #7e2f7859
 class EmbeddingStore:
     "Read side of a sharded teacher-embedding folder."
     def __init__(self, folder: str | Path):
@@ -160,34 +160,38 @@ class EmbeddingStore:
     def n_rows(self) -> int: return sum(s["rows"][1] - s["rows"][0] for s in self.manifest["shards"].values())
     @property
     def complete(self) -> bool: return self.manifest.get("complete", False)
-    def shard_paths(self, teacher: str) -> list[Path]:
+    def shard(self, teacher: str, key: str, verify: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        "One shard's (embeddings [n, D], row_ids [n]); with verify, its sha256 is checked against the manifest first."
+        p = self.folder / teacher / f"shard-{key}.safetensors"
         if teacher not in self.teachers: raise KeyError(f"no teacher {teacher!r} in {self.folder}; it holds {self.teachers}")
-        return [self.folder / teacher / f"shard-{k}.safetensors" for k in sorted(self.manifest["shards"])]
+        if verify and sha256_file(p) != self.manifest["shards"][key]["sha256"][teacher]:
+            raise GuardError(f"{p} does not match its manifest sha256: the shard is corrupt; rerun embed_corpus on this folder to recompute it")
+        with safe_open(str(p), "pt") as f: return f.get_tensor("embeddings"), f.get_tensor("row_ids")
+    @property
+    def shard_keys(self) -> list[str]: return sorted(self.manifest["shards"])
     def load(self, teacher: str, # a teacher of the store
              rows: Sequence[int] | None = None, # row ids to return (in this order); None = every row
              verify: bool = False # check each shard's sha256 against the manifest first
             ) -> torch.Tensor:
-        "Embeddings [N, D] of one teacher, for every row or the given row ids."
+        "Embeddings [N, D] of one teacher, for every row or the given row ids (read shard by shard)."
+        want = None if rows is None else torch.as_tensor(np.asarray(rows), dtype=torch.long)
         parts, ids = [], []
-        for k in sorted(self.manifest["shards"]):
-            p = self.folder / teacher / f"shard-{k}.safetensors"
-            if verify and sha256_file(p) != self.manifest["shards"][k]["sha256"][teacher]:
-                raise GuardError(f"{p} does not match its manifest sha256: the shard is corrupt; rerun embed_corpus on this folder to recompute it")
-            with safe_open(str(p), "pt") as f: parts.append(f.get_tensor("embeddings")); ids.append(f.get_tensor("row_ids"))
-        emb, ids = torch.cat(parts), torch.cat(ids)
-        if rows is None: return emb
-        pos = torch.full((int(ids.max()) + 1,), -1, dtype=torch.long); pos[ids] = torch.arange(len(ids))
-        rows = torch.as_tensor(np.asarray(rows), dtype=torch.long)
-        if (rows < 0).any() or (rows >= len(pos)).any() or (pos[rows] < 0).any():
-            raise IndexError(f"some requested rows are not in {self.folder} (it holds {len(ids)} rows)")
-        return emb[pos[rows]]
+        for k in self.shard_keys:
+            lo, hi = self.manifest["shards"][k]["rows"]
+            if want is not None and not ((want >= lo) & (want < hi)).any(): continue
+            e, r = self.shard(teacher, k, verify)
+            if want is not None:
+                keep = torch.isin(r, want); e, r = e[keep], r[keep]
+            parts.append(e); ids.append(r)
+        if rows is None: return torch.cat(parts)
+        emb, ids = (torch.cat(parts), torch.cat(ids)) if parts else (torch.zeros(0), torch.zeros(0, dtype=torch.long))
+        pos = {int(i): n for n, i in enumerate(ids)}
+        missing = [int(i) for i in want if int(i) not in pos]
+        if missing: raise IndexError(f"rows {missing[:5]} are not in {self.folder} (it holds {self.n_rows} rows)")
+        return emb[[pos[int(i)] for i in want]]
     def row_ids(self) -> torch.Tensor:
         "Row ids of the store, in storage order."
-        t = self.teachers[0]
-        out = []
-        for p in self.shard_paths(t):
-            with safe_open(str(p), "pt") as f: out.append(f.get_tensor("row_ids"))
-        return torch.cat(out)
+        return torch.cat([self.shard(self.teachers[0], k)[1] for k in self.shard_keys])
 
 def embed_corpus(source, # a caption source (TextFileCaptions, HubCaptions, SceneGrammar, or a list of str)
                  teachers: Sequence[TeacherGroup], # loaded teacher groups (see load_teachers)
