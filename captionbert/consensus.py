@@ -184,11 +184,19 @@ def repair_gate(store: EmbeddingStore, # the store holding the shard
                              f"< {1 - tol} over {len(pick)} re-embedded rows. Do not trust this shard; re-embed it.")
     return out
 
-# %% ../nbs/04_consensus.ipynb #dd5288a2
+# %% ../nbs/04_consensus.ipynb #0e000cad
 def build_consensus(cfg: AlignmentConfig, # the preset (see AlignmentConfig)
                     folder: str | Path, # where the targets go
                     device=None, progress: bool = True) -> ConsensusTargets:
-    "Captions -> teacher embeddings -> alignment maps -> consensus targets, with timings and geometry in targets.json."
+    "Captions -> teacher embeddings -> alignment maps -> consensus targets; reuses targets already built from the same config."
+    with folder_lock(folder):              # concurrent builders of one folder take turns; the second finds the work done
+        mpath = Path(folder) / "targets.json"
+        if mpath.exists():
+            old = json.loads(mpath.read_text())
+            if old.get("config") == to_jsonable(cfg) and "geometry" in old: return load_targets(folder)
+        return _build_consensus(cfg, folder, device, progress)
+
+def _build_consensus(cfg, folder, device, progress):
     specs = roster(cfg.roster); ref = reference_member(specs).name
     source = open_captions(cfg.captions, limit=cfg.limit) if cfg.captions else default_captions(limit=cfg.limit, verbose=progress)
     t0 = time.time()

@@ -116,18 +116,23 @@ def atomic_write_json(path: str | Path, obj: Any) -> Path:
     "Write `obj` as indented JSON to `path` atomically."
     return atomic_write_bytes(path, (json.dumps(to_jsonable(obj), indent=2, sort_keys=False) + "\n").encode())
 
-# %% ../nbs/00_core.ipynb #4520fa6f
+# %% ../nbs/00_core.ipynb #30b44a42
+_HELD_LOCKS: set = set()
+
 @contextlib.contextmanager
 def folder_lock(folder: str | Path # the folder to hold
                ) -> Iterator[Path]:
-    "Hold an exclusive lock on `folder` (blocking until other holders finish); a no-op where flock is missing."
+    "Hold an exclusive lock on `folder` (blocking until other holders finish); re-entrant within a thread."
     folder = Path(folder); folder.mkdir(parents=True, exist_ok=True)
+    import threading
+    key = (str(folder.resolve()), threading.get_ident())
+    if key in _HELD_LOCKS: yield folder; return            # this thread holds it already
     try: import fcntl
-    except ImportError: yield folder; return
+    except ImportError: yield folder; return               # no flock on this platform
     with open(folder / ".lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        fcntl.flock(f, fcntl.LOCK_EX); _HELD_LOCKS.add(key)
         try: yield folder
-        finally: fcntl.flock(f, fcntl.LOCK_UN)
+        finally: _HELD_LOCKS.discard(key); fcntl.flock(f, fcntl.LOCK_UN)
 
 # %% ../nbs/00_core.ipynb #9c9715b8
 def code_version() -> str:

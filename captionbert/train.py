@@ -24,7 +24,7 @@ from .gauges import effective_rank, mimicry_r1, self_cosine
 
 # %% auto #0
 __all__ = ['TrainConfig', 'lr_at', 'TokenizedCorpus', 'BatchPlan', 'save_weights', 'latest_checkpoint', 'load_checkpoint',
-           'TrainResult', 'train', 'ConsensusLoss', 'frame_gap', 'ConsensusGauges']
+           'TrainResult', 'train', 'ConsensusLoss', 'frame_gap', 'ConsensusGauges', 'resolve_targets', 'caption_source']
 
 # %% ../nbs/05_train.ipynb #c11b275e
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +114,7 @@ class BatchPlan:
         return self.rows[self._order[i]]
     def __call__(self, step: int) -> Batch: return self.corpus.batch(self.rows_at(step))
 
-# %% ../nbs/05_train.ipynb #0f72873c
+# %% ../nbs/05_train.ipynb #430de711
 def _rng_state() -> dict:
     s = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available(): s["cuda"] = torch.cuda.get_rng_state_all()
@@ -242,13 +242,13 @@ def train(model: torch.nn.Module, # the model (its parameters that require grad 
         gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         scaler.step(opt); scaler.update(); opt.zero_grad(set_to_none=True); sched.step()
         if rank == 0:
-            row = {"loss": float(loss), "lr": sched.get_last_lr()[0], "grad_norm": float(gnorm), "real_tokens": gb.real_tokens,
+            row = {"loss": float(loss.detach()), "lr": sched.get_last_lr()[0], "grad_norm": float(gnorm), "real_tokens": gb.real_tokens,
                    "padded_tokens": gb.padded_tokens, "rows": B, "step_seconds": round(time.time() - t0, 4),
                    **{k: float(v) for k, v in metrics.items()}}
             with open(run / RunDir.METRICS, "a") as f: f.write(json.dumps({"step": step + 1, **row}) + "\n")
             if (step + 1) % cfg.log_every == 0:
                 for k, v in row.items(): writer.add_scalar(f"train/{k}", v, step + 1)
-                bar.set_postfix(loss=f"{float(loss):.4f}")
+                bar.set_postfix(loss=f"{row['loss']:.4f}")
         done = step + 1
         if done % cfg.eval_every == 0 and done < cfg.max_steps: gauges(done)
         if done < end and (done % cfg.ckpt_every_steps == 0 or time.time() - t_ckpt > 60 * cfg.ckpt_every_minutes):
@@ -310,3 +310,29 @@ class ConsensusGauges:
         return {"gauge/target_cosine": float((s * t).sum(-1).mean()), "gauge/effective_rank": effective_rank(s),
                 "gauge/self_cosine": self_cosine(s), "gauge/frame_gap": frame_gap(s, t),
                 **{f"mimicry/r1@{g}": v for g, v in mim.r1.items()}, "mimicry/flat": mim.flat}
+
+# %% ../nbs/05_train.ipynb #80223da0
+def resolve_targets(spec: str, # "auto", "build", "hub:<dataset>", or a targets folder
+                    cfg: TrainConfig, run_dir: Path, expect_frame: Optional[str] = None, device=None):
+    "Consensus targets for a run, loaded (or built) and checked against the frame the run declares."
+    from captionbert.alignment import AlignmentConfig
+    from captionbert.consensus import build_consensus, load_targets
+    from captionbert.data import runs_dir
+    if spec in ("auto", "build"):
+        folder = runs_dir(f"consensus-{cfg.alignment}") if spec == "auto" else Path(run_dir) / "targets"
+        build_consensus(AlignmentConfig.preset(cfg.alignment), folder, device=device)
+        return load_targets(folder, expect_frame=expect_frame)
+    if spec.startswith("hub:"):
+        from huggingface_hub import snapshot_download
+        return load_targets(snapshot_download(spec[4:], repo_type="dataset"), expect_frame=expect_frame)
+    return load_targets(spec, expect_frame=expect_frame)
+
+def caption_source(targets):
+    "The caption source the targets were built from; GuardError if its content no longer matches."
+    from captionbert.data import default_captions, open_captions
+    c = targets.manifest["config"]
+    src = open_captions(c["captions"], limit=c["limit"]) if c["captions"] else default_captions(limit=c["limit"], verbose=False)
+    if src.fingerprint != targets.source_fingerprint:
+        raise GuardError(f"the captions now found for {targets.folder} ({src!r}) are not the ones its targets were built from "
+                         f"(fingerprint {src.fingerprint[:12]} != {targets.source_fingerprint[:12]}); point CAPTIONBERT_CAPTIONS at them")
+    return src
