@@ -57,7 +57,7 @@ class EncoderConfig:
         if name not in ("v2", "cpu", "tiny"): raise ValueError(f"unknown encoder preset {name!r}: v2, cpu or tiny")
         return getattr(cls, name)(**kw)
 
-# %% ../nbs/01b_encoder.ipynb #47efb4c9
+# %% ../nbs/01b_encoder.ipynb #6720d3b4
 class LearnedPositions(nn.Module):
     "Absolute learned position embeddings, added to the token embeddings."
     def __init__(self, cfg: EncoderConfig):
@@ -117,7 +117,12 @@ class Block(nn.Module):
     def forward(self, x, mask, positions, token_mask, need_weights: bool = False):
         a, w = self.attn(self.ln1(x), mask, positions, need_weights)
         x = x + self.drop(a)
-        return x + self.drop(self.ffn(self.ln2(x), token_mask)), w
+        if mask is None: return x + self.drop(self.ffn(self.ln2(x), token_mask)), w
+        # padded batch: the FFN half runs on the real tokens only, packed [T, D]; padded positions skip it
+        idx = token_mask.flatten().nonzero().squeeze(1)                      # [T]
+        flat = x.reshape(-1, x.shape[-1])                                   # [B*L, D]
+        y = self.drop(self.ffn(self.ln2(flat.index_select(0, idx)), None))  # [T, D]
+        return flat.index_add(0, idx, y.to(flat.dtype)).view_as(x), w
 
 # %% ../nbs/01b_encoder.ipynb #21eec88d
 @dataclasses.dataclass

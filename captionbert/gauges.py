@@ -88,7 +88,7 @@ def simplex_cv(x, # [N, D] embeddings
     v = simplex_volumes(x, n_points, n_samples, seed)
     return float(v.std() / v.mean()) if v.mean() > 0 else float("nan")
 
-# %% ../nbs/00a_gauges.ipynb #294adb8b
+# %% ../nbs/00a_gauges.ipynb #0d7999d2
 @dataclasses.dataclass(frozen=True)
 class RetrievalReport:
     "R@1 of queries against their own targets, per gallery size."
@@ -101,10 +101,16 @@ class RetrievalReport:
         "True when R@1 does not move across gallery sizes spanning at least 8x (the tell of a broken objective)."
         g = sorted(self.r1)
         return len(g) >= 2 and g[-1] >= 8 * g[0] and (max(self.r1.values()) - min(self.r1.values())) < 0.005
+    @property
+    def saturated(self) -> bool:
+        "True when R@1 is at the ceiling (>= .995) at every gallery size: the instrument cannot rank anything here."
+        return min(self.r1.values()) >= 0.995
     def times_chance(self, g: int) -> float: return self.r1[g] / self.chance[g]
     def __repr__(self):
         cells = ", ".join(f"g={g}: {v:.4f} ({v*g:.1f}x chance)" for g, v in sorted(self.r1.items()))
-        return f"{self.label}({cells}{'; FLAT: check the objective' if self.flat else ''})"
+        note = ("; FLAT AT THE CEILING: queries and targets may share a forward pass, or the galleries are too easy to tell"
+                if self.flat and self.saturated else "; FLAT: check the objective" if self.flat else "")
+        return f"{self.label}({cells}{note})"
 
 def retrieval_r1(queries, # [N, D] e.g. aligned teacher vectors, or a student's outputs
                  targets, # [N, D] the target of each query, same row order

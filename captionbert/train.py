@@ -24,7 +24,8 @@ from .gauges import effective_rank, mimicry_r1, self_cosine
 
 # %% auto #0
 __all__ = ['TrainConfig', 'lr_at', 'TokenizedCorpus', 'BatchPlan', 'save_weights', 'latest_checkpoint', 'load_checkpoint',
-           'TrainResult', 'train', 'ConsensusLoss', 'frame_gap', 'ConsensusGauges', 'resolve_targets', 'caption_source']
+           'TrainResult', 'train', 'ConsensusLoss', 'frame_gap', 'ConsensusGauges', 'resolve_targets', 'caption_source',
+           'resolve_preset', 'ConsensusRun', 'run_consensus_training', 'main']
 
 # %% ../nbs/05_train.ipynb #c11b275e
 @dataclasses.dataclass(frozen=True)
@@ -279,7 +280,7 @@ class ConsensusLoss:
         return nce + self.mse_weight * mse, {"infonce": nce.detach(), "mse": mse.detach(),
                                              "batch_target_cosine": (out * t_own).sum(-1).mean().detach()}
 
-# %% ../nbs/05_train.ipynb #311ff99e
+# %% ../nbs/05_train.ipynb #c442d025
 def frame_gap(student: torch.Tensor, # [N, O] the student's outputs
               targets: torch.Tensor # [N, O] their targets
              ) -> float:
@@ -309,7 +310,7 @@ class ConsensusGauges:
         mim = mimicry_r1(s, t, gallery_sizes=(16, 128, 1024))
         return {"gauge/target_cosine": float((s * t).sum(-1).mean()), "gauge/effective_rank": effective_rank(s),
                 "gauge/self_cosine": self_cosine(s), "gauge/frame_gap": frame_gap(s, t),
-                **{f"mimicry/r1@{g}": v for g, v in mim.r1.items()}, "mimicry/flat": mim.flat}
+                **{f"mimicry/r1@{g}": v for g, v in mim.r1.items()}, "mimicry/flat": mim.flat, "mimicry/saturated": mim.saturated}
 
 # %% ../nbs/05_train.ipynb #80223da0
 def resolve_targets(spec: str, # "auto", "build", "hub:<dataset>", or a targets folder
@@ -336,3 +337,82 @@ def caption_source(targets):
         raise GuardError(f"the captions now found for {targets.folder} ({src!r}) are not the ones its targets were built from "
                          f"(fingerprint {src.fingerprint[:12]} != {targets.source_fingerprint[:12]}); point CAPTIONBERT_CAPTIONS at them")
     return src
+
+# %% ../nbs/05_train.ipynb #e0b04004
+def resolve_preset(preset: str) -> str:
+    "'auto' -> smoke under the tests, v2 on CUDA, cpu otherwise; anything else is returned unchanged."
+    if preset != "auto": return preset
+    return "smoke" if os.environ.get("IN_TEST") else "v2" if torch.cuda.is_available() else "cpu"
+
+@dataclasses.dataclass
+class ConsensusRun:
+    "A finished (or stopped) consensus training run and what it was made from."
+    preset: str; seed: int; cfg: TrainConfig; run: RunDir; model: torch.nn.Module; targets: object
+    corpus: TokenizedCorpus; train_rows: np.ndarray; eval_rows: np.ndarray; result: TrainResult
+
+def run_consensus_training(seed: int = 0, # the run's seed
+                           preset: str = "auto", # auto, smoke, cpu, v2, v2b
+                           run_dir=None, # None: runs/05_train-<preset>-seed<seed>
+                           targets: str = "auto", # auto, build, hub:<dataset>, or a targets folder
+                           max_steps: Optional[int] = None, # override the preset's steps
+                           device=None, resume: bool = True, progress: bool = True) -> ConsensusRun:
+    "Targets -> tokenized captions -> student -> the one training loop; returns the run and the trained model."
+    from captionbert.core import code_version, sha256_bytes
+    from captionbert.data import load_tokenizer, runs_dir, stratified_sample
+    from captionbert.encoder import CaptionEncoder, EncoderConfig, n_params
+    preset = resolve_preset(preset)
+    cfg = TrainConfig.preset(preset, **({"max_steps": int(max_steps)} if max_steps else {}))
+    run_path = Path(run_dir) if run_dir else runs_dir(f"05_train-{preset}-seed{seed}")
+    rank, world = _world()
+    dev = pick_device(device) if not isinstance(device, torch.device) else device
+    declared = json.loads((run_path / "config.json").read_text())["frame"] if (run_path / "config.json").exists() else None
+    tg = resolve_targets(targets, cfg, run_path, expect_frame=declared, device=dev)
+    set_seed(seed)
+    corpus = TokenizedCorpus.from_texts(load_tokenizer(), list(caption_source(tg)), cfg.max_tokens)
+    eval_rows = stratified_sample(corpus.lengths, cfg.eval_rows, seed=seed + 101)
+    train_rows = np.setdiff1d(tg.row_ids.numpy(), eval_rows)
+    full = torch.zeros(len(corpus), tg.targets.shape[1]); full[tg.row_ids] = tg.targets
+    enc_cfg = EncoderConfig.preset(cfg.encoder, out_dim=tg.targets.shape[1])
+    set_seed(seed); model = CaptionEncoder(enc_cfg)
+    corpus_id = {"source_fingerprint": tg.source_fingerprint, "frame": tg.frame, "train_rows": int(len(train_rows)),
+                 "train_rows_sha256": sha256_bytes(train_rows.astype(np.int64).tobytes())}
+    run = RunDir(run_path)
+    if rank == 0:
+        run.write_config({"preset": preset, "seed": seed, "train": cfg, "encoder": enc_cfg, "targets": str(tg.folder), "frame": tg.frame,
+                          "corpus": corpus_id, "device": str(dev), "precision": pick_precision(dev, cfg.precision),
+                          "params": n_params(model), "world_size": world, "code_version": code_version()})
+    plan = BatchPlan(corpus, train_rows, cfg.batch_size, seed=seed, pool=cfg.pool)
+    if progress and rank == 0:
+        print(f"[{preset}] student {model} ({enc_cfg.layers}x{enc_cfg.hidden}, out {enc_cfg.out_dim}); {len(train_rows)} training rows "
+              f"({plan.batches_per_epoch} batches of {cfg.batch_size} an epoch, {cfg.max_steps / plan.batches_per_epoch:.1f} epochs), "
+              f"{len(eval_rows)} held-out rows for the gauges; run directory {run.path}")
+    result = train(model, plan, ConsensusLoss(full, cfg.temperature, cfg.mse_weight), cfg, run, corpus_id,
+                   ConsensusGauges(corpus, full, eval_rows), resume=resume, device=dev, progress=progress)
+    return ConsensusRun(preset, seed, cfg, run, model, tg, corpus, train_rows, eval_rows, result)
+
+# %% ../nbs/05_train.ipynb #8a73917d
+def main(argv: Optional[Sequence[str]] = None):
+    "Command-line entry point (torchrun-aware): train a student on consensus targets and export it."
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m captionbert.train", description="Consensus distillation of a CaptionBERT student.")
+    ap.add_argument("--seed", type=int, default=0); ap.add_argument("--preset", default="auto")
+    ap.add_argument("--run-dir", default=None); ap.add_argument("--targets", default="auto")
+    ap.add_argument("--max-steps", type=int, default=None); ap.add_argument("--device", default=None)
+    ap.add_argument("--no-resume", action="store_true")
+    a = ap.parse_args(argv)
+    device = a.device
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        cuda = torch.cuda.is_available()
+        dist.init_process_group("nccl" if cuda else "gloo")
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0))); device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    r = run_consensus_training(a.seed, a.preset, a.run_dir, a.targets, a.max_steps, device, resume=not a.no_resume)
+    if _world()[0] == 0 and r.result.completed:
+        from captionbert.data import load_tokenizer
+        from captionbert.hf import export_pretrained
+        folder = export_pretrained(r.model, load_tokenizer(), r.run.path / "export")
+        print(f"{r.result}\nexported to {folder}\nrun directory: {r.run.path}")
+    if dist.is_initialized(): dist.destroy_process_group()
+    return r
+
+if __name__ == "__main__" and "__file__" in globals(): main()

@@ -24,3 +24,15 @@ def test_every_notebook_is_collected():
     names = {p.stem for p in NOTEBOOKS}
     assert {"00_core", "00a_gauges", "01_data", "01a_teachers", "02_benchmark"} <= names
     assert not (ROOT / "nbs" / ".notest").exists()
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_papermill_parameters_cell(nb):
+    "A notebook with a Run section has exactly one cell tagged `parameters`, so `papermill -p seed 1` is not ignored."
+    import json
+    cells = json.loads(nb.read_text())["cells"]
+    has_run = any(c["cell_type"] == "markdown" and "".join(c["source"]).lstrip().startswith("## Run:") for c in cells)
+    tagged = [c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+    if has_run:
+        assert len(tagged) == 1, f"{nb.name} has a Run section but {len(tagged)} cells tagged 'parameters'"
+    assert all(c["cell_type"] == "code" for c in tagged)
