@@ -5,7 +5,7 @@
 
 # %% auto #0
 __all__ = ['POSITION_KINDS', 'FFN_KINDS', 'EncoderConfig', 'LearnedPositions', 'NoPositions', 'Attention', 'DenseFFN', 'Block',
-           'EncoderOutput', 'CaptionEncoder', 'n_params']
+           'EncoderOutput', 'CaptionEncoder', 'set_residual_hook', 'n_params']
 
 # %% ../nbs/01b_encoder.ipynb #915b9118
 import dataclasses, math
@@ -124,7 +124,7 @@ class Block(nn.Module):
         y = self.drop(self.ffn(self.ln2(flat.index_select(0, idx)), None))  # [T, D]
         return flat.index_add(0, idx, y.to(flat.dtype)).view_as(x), w
 
-# %% ../nbs/01b_encoder.ipynb #21eec88d
+# %% ../nbs/01b_encoder.ipynb #63d2407b
 @dataclasses.dataclass
 class EncoderOutput:
     "What a CaptionEncoder returns."
@@ -149,6 +149,7 @@ class CaptionEncoder(nn.Module):
         self.query = nn.Parameter(torch.zeros(cfg.hidden)) if cfg.readout == "query" else None
         self.head = nn.Sequential(nn.Linear(cfg.hidden, cfg.head_hidden), nn.GELU(), nn.Linear(cfg.head_hidden, cfg.out_dim))
         self.gradient_checkpointing = cfg.gradient_checkpointing
+        object.__setattr__(self, "residual_hook", None)   # not a submodule: adapters stay out of the backbone's weights
         self.apply(self._init)
     def _init(self, m):
         if isinstance(m, (nn.Linear, nn.Embedding)): nn.init.normal_(m.weight, std=self.config.init_std)
@@ -177,11 +178,12 @@ class CaptionEncoder(nn.Module):
         else: mask = (token_mask | empty[:, None]).view(input_ids.shape[0], 1, 1, -1)   # [B, 1, 1, L]
         x = self.drop(self.emb_norm(self.positions.embed(self.tokens(input_ids))))
         hidden, attns, routing = [x] if output_hidden_states else None, [] if output_attentions else None, []
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
             if self.gradient_checkpointing and self.training and not output_attentions:
                 x, w = checkpoint(block, x, mask, self.positions, token_mask, use_reentrant=False)
             else:
                 x, w = block(x, mask, self.positions, token_mask, output_attentions)
+            if self.residual_hook is not None: x = self.residual_hook(i, x, token_mask)   # e.g. adapter arms
             if output_hidden_states: hidden.append(x)
             if output_attentions: attns.append(w)
             r = getattr(block.ffn, "last_routing", None)
@@ -190,6 +192,10 @@ class CaptionEncoder(nn.Module):
         pooled = F.normalize(self.head(self.readout(h, token_mask)).float(), dim=-1)
         pooled = pooled.masked_fill(empty[:, None], 0.0)
         return EncoderOutput(h, pooled, tuple(hidden) if hidden else None, tuple(attns) if attns else None, routing or None)
+
+def set_residual_hook(model: CaptionEncoder, hook) -> CaptionEncoder:
+    "Install `hook(layer, x [B, L, D], token_mask [B, L]) -> x`, called on the residual stream after every block (None removes it)."
+    object.__setattr__(model, "residual_hook", hook); return model
 
 def n_params(model: nn.Module) -> int:
     "Number of parameters."
