@@ -66,7 +66,7 @@ class Arm(nn.Module):
     def spec(self) -> dict: return {"name": self.name, "hidden": self.hidden, "layers": self.layers, "rank": self.rank, "random_init": self.random_init}
     def __repr__(self): return f"Arm({self.name}, rank {self.rank}, {self.n_adapter_params:,} adapter params)"
 
-# %% ../nbs/06_amoe.ipynb #9137726f
+# %% ../nbs/06_amoe.ipynb #81257117
 def backbone_fingerprint(model: nn.Module) -> str:
     "sha256 of a backbone's weights (names, shapes, dtypes and bytes), independent of device."
     h = hashlib.sha256()
@@ -121,6 +121,16 @@ class AmoeModel(nn.Module):
         if record_routing and self.library.active: out.routing = list(self.library.routing)
         self.library.record = False
         return out
+    # the routed-model interface the inspector reads (the anchored trunk offers the same)
+    @property
+    def routing_names(self) -> list[str]: return self.library.names
+    @property
+    def routing_tau(self) -> float: return self.library.tau
+    def configure_routing(self, active=None, tau: Optional[float] = None):
+        "Choose the active arms (None: all) and the temperature."
+        self.library.set_active(active)
+        if tau is not None: self.library.tau = float(tau)
+        return self
     def __repr__(self): return f"AmoeModel({self.backbone!r}, {self.library!r})"
 
 # %% ../nbs/06_amoe.ipynb #af9a19ba
