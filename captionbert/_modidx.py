@@ -451,4 +451,8 @@ d = { 'settings': { 'branch': 'main',
                                    'captionbert.train.run_consensus_training': ( 'train.html#run_consensus_training',
                                                                                  'captionbert/train.py'),
                                    'captionbert.train.save_weights': ('train.html#save_weights', 'captionbert/train.py'),
-                                   'captionbert.train.train': ('train.html#train', 'captionbert/train.py')}}}
+                                   'captionbert.train.train': ('train.html#train', 'captionbert/train.py')},
+            'captionbert.transplant': { 'captionbert.transplant.realign_keys': ( 'transplant.html#realign_keys',
+                                                                                 'captionbert/transplant.py'),
+                                        'captionbert.transplant.transplant_report': ( 'transplant.html#transplant_report',
+                                                                                      'captionbert/transplant.py')}}}

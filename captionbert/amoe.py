@@ -66,7 +66,7 @@ class Arm(nn.Module):
     def spec(self) -> dict: return {"name": self.name, "hidden": self.hidden, "layers": self.layers, "rank": self.rank, "random_init": self.random_init}
     def __repr__(self): return f"Arm({self.name}, rank {self.rank}, {self.n_adapter_params:,} adapter params)"
 
-# %% ../nbs/06_amoe.ipynb #81257117
+# %% ../nbs/06_amoe.ipynb #2f85d46f
 def backbone_fingerprint(model: nn.Module) -> str:
     "sha256 of a backbone's weights (names, shapes, dtypes and bytes), independent of device."
     h = hashlib.sha256()
@@ -112,14 +112,16 @@ class AmoeModel(nn.Module):
         super().__init__()
         self.backbone, self.library = backbone, library
         for p in backbone.parameters(): p.requires_grad_(False)
-        set_residual_hook(backbone, library)
     @property
     def config(self) -> EncoderConfig: return self.backbone.config
     def forward(self, input_ids, attention_mask=None, record_routing: bool = False, **kw):
+        "The backbone's forward with the library on its residual stream (installed for this call only)."
         self.library.record, self.library.routing = record_routing, []
-        out = self.backbone(input_ids, attention_mask, **kw)
+        prev = self.backbone.residual_hook
+        set_residual_hook(self.backbone, self.library)
+        try: out = self.backbone(input_ids, attention_mask, **kw)
+        finally: set_residual_hook(self.backbone, prev); self.library.record = False
         if record_routing and self.library.active: out.routing = list(self.library.routing)
-        self.library.record = False
         return out
     # the routed-model interface the inspector reads (the anchored trunk offers the same)
     @property
@@ -133,7 +135,7 @@ class AmoeModel(nn.Module):
         return self
     def __repr__(self): return f"AmoeModel({self.backbone!r}, {self.library!r})"
 
-# %% ../nbs/06_amoe.ipynb #af9a19ba
+# %% ../nbs/06_amoe.ipynb #8f234618
 def save_library(library: ArmLibrary, path) -> Path:
     "Write a library (every arm's tensors, specs, tau, and its backbone's fingerprint) as safetensors, atomically."
     if not library.backbone_fingerprint: raise ValueError("the library has no backbone fingerprint; set it from the backbone that grew it")
@@ -151,10 +153,10 @@ def assert_toggle_exact(model: AmoeModel, tokenizer=None, texts: Sequence[str] =
     b = collate(tok(list(texts))["input_ids"])
     dev = next(model.backbone.parameters()).device
     ids, m = b.input_ids.to(dev), b.attention_mask.to(dev)
-    was, hook = model.library.active, model.backbone.residual_hook
+    was = model.library.active
     with torch.no_grad():
-        set_residual_hook(model.backbone, None); bare = model.backbone(ids, m)
-        set_residual_hook(model.backbone, hook); model.library.set_active([]); off = model(ids, m)
+        bare = model.backbone(ids, m)                       # the library is installed only inside model(...)
+        model.library.set_active([]); off = model(ids, m)
     model.library.active = was
     if not (torch.equal(bare.pooler_output, off.pooler_output) and torch.equal(bare.last_hidden_state, off.last_hidden_state)):
         raise GuardError("with every arm off the outputs differ from the bare backbone: the toggle is not bit-exact")
@@ -244,7 +246,7 @@ HUB_PAIRS = {   # published size: pair datasets on the hub (name, column a, colu
     "paraphrase": ("sentence-transformers/quora-duplicates", "anchor", "positive", "pair"),
 }
 
-# %% ../nbs/06_amoe.ipynb #943ee577
+# %% ../nbs/06_amoe.ipynb #7e615463
 class PairPlan:
     "The pair batch of every step (a pure function of seed and step): 2B rows, the a-sides then the b-sides."
     def __init__(self, tokenizer, pairs: PairSet, batch_size: int, seed: int = 0, max_tokens: int = 256):
@@ -281,10 +283,8 @@ def train_arm(backbone: CaptionEncoder, # frozen
     set_seed(seed)
     model = AmoeModel(backbone, ArmLibrary([arm], tau=tau, backbone_fingerprint=backbone_fingerprint(backbone)))
     corpus = {"pairs": pairs.name, "pairs_sha256": pairs.fingerprint, "backbone": model.library.backbone_fingerprint, "tau": tau}
-    try:
-        return train(model, PairPlan(tokenizer, pairs, cfg.batch_size, seed), PairLoss(), cfg, RunDir(run_dir), corpus,
-                     resume=False, device=device, progress=progress)
-    finally: set_residual_hook(backbone, None)
+    return train(model, PairPlan(tokenizer, pairs, cfg.batch_size, seed), PairLoss(), cfg, RunDir(run_dir), corpus,
+                 resume=False, device=device, progress=progress)
 
 # %% ../nbs/06_amoe.ipynb #b67718f1
 @torch.no_grad()

@@ -338,7 +338,7 @@ def caption_source(targets):
                          f"(fingerprint {src.fingerprint[:12]} != {targets.source_fingerprint[:12]}); point CAPTIONBERT_CAPTIONS at them")
     return src
 
-# %% ../nbs/05_train.ipynb #e0b04004
+# %% ../nbs/05_train.ipynb #2b6493a5
 def resolve_preset(preset: str) -> str:
     "'auto' -> smoke under the tests, v2 on CUDA, cpu otherwise; anything else is returned unchanged."
     if preset != "auto": return preset
@@ -355,7 +355,9 @@ def run_consensus_training(seed: int = 0, # the run's seed
                            run_dir=None, # None: runs/05_train-<preset>-seed<seed>
                            targets: str = "auto", # auto, build, hub:<dataset>, or a targets folder
                            max_steps: Optional[int] = None, # override the preset's steps
-                           device=None, resume: bool = True, progress: bool = True) -> ConsensusRun:
+                           device=None, resume: bool = True, progress: bool = True,
+                           data_fraction: float = 1.0 # train on the first fraction of the corpus (v2 saw 82% of v2-B's rows)
+                          ) -> ConsensusRun:
     "Targets -> tokenized captions -> student -> the one training loop; returns the run and the trained model."
     from captionbert.core import code_version, sha256_bytes
     from captionbert.data import load_tokenizer, runs_dir, stratified_sample
@@ -371,10 +373,12 @@ def run_consensus_training(seed: int = 0, # the run's seed
     corpus = TokenizedCorpus.from_texts(load_tokenizer(), list(caption_source(tg)), cfg.max_tokens)
     eval_rows = stratified_sample(corpus.lengths, cfg.eval_rows, seed=seed + 101)
     train_rows = np.setdiff1d(tg.row_ids.numpy(), eval_rows)
+    if not 0 < data_fraction <= 1: raise ValueError(f"data_fraction must be in (0, 1], got {data_fraction}")
+    train_rows = train_rows[train_rows < int(round(data_fraction * len(corpus)))]
     full = torch.zeros(len(corpus), tg.targets.shape[1]); full[tg.row_ids] = tg.targets
     enc_cfg = EncoderConfig.preset(cfg.encoder, out_dim=tg.targets.shape[1])
     set_seed(seed); model = CaptionEncoder(enc_cfg)
-    corpus_id = {"source_fingerprint": tg.source_fingerprint, "frame": tg.frame, "train_rows": int(len(train_rows)),
+    corpus_id = {"source_fingerprint": tg.source_fingerprint, "frame": tg.frame, "train_rows": int(len(train_rows)), "data_fraction": data_fraction,
                  "train_rows_sha256": sha256_bytes(train_rows.astype(np.int64).tobytes())}
     run = RunDir(run_path)
     if rank == 0:
