@@ -257,15 +257,6 @@ def _embed_corpus(source, teachers, folder, shard_size, batch_size, limit, progr
                               "last_run": {"rows_embedded": done_now, "seconds": round(time.time() - t0, 2)}})
     return EmbeddingStore(folder)
 
-# %% ../nbs/01a_teachers.ipynb #de6c9c1c
-class _CountingGroup:
-    "Wraps a TeacherGroup, counting rows encoded and optionally failing after `fail_after` calls (for tests)."
-    def __init__(self, group, fail_after=None): self.g, self.fail_after, self.calls, self.rows = group, fail_after, 0, 0
-    specs = property(lambda self: self.g.specs); dims = property(lambda self: self.g.dims)
-    def encode(self, texts, batch_size=64):
-        if self.fail_after is not None and self.calls >= self.fail_after: raise RuntimeError("simulated crash")
-        self.calls += 1; self.rows += len(texts); return self.g.encode(texts, batch_size)
-
 # %% ../nbs/01a_teachers.ipynb #29a5d518
 def embed_cached(source, # a caption source
                  specs: Sequence[TeacherSpec], # the roster
