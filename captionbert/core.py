@@ -13,9 +13,9 @@ import numpy as np
 import torch
 
 # %% auto #0
-__all__ = ['PRECISIONS', 'GuardError', 'set_seed', 'pick_device', 'pick_precision', 'autocast', 'sha256_file', 'sha256_bytes',
-           'atomic_path', 'atomic_write_bytes', 'to_jsonable', 'atomic_write_json', 'folder_lock', 'code_version',
-           'RunDir']
+__all__ = ['PRECISIONS', 'SIZES', 'GuardError', 'set_seed', 'pick_device', 'pick_precision', 'autocast', 'sha256_file',
+           'sha256_bytes', 'atomic_path', 'atomic_write_bytes', 'to_jsonable', 'atomic_write_json', 'folder_lock',
+           'code_version', 'resolve_preset', 'RunDir']
 
 # %% ../nbs/00_core.ipynb #03855c84
 class GuardError(RuntimeError):
@@ -146,6 +146,24 @@ def code_version() -> str:
         return f"{__version__}+g{sha.stdout.strip()}" + (".dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return __version__
+
+# %% ../nbs/00_core.ipynb #263dfc51
+SIZES = ("smoke", "cpu", "published")      # the one vocabulary of run sizes
+
+def resolve_preset(preset: str = "auto", # "auto", or a preset name of the section
+                   available: tuple = SIZES, # the section's preset names
+                   published: str = "published", # the section's preset at published size (what "auto" means on CUDA)
+                   section: str = "this section" # named in errors
+                  ) -> str:
+    "'auto' -> smoke under the tests, the published preset on CUDA, cpu otherwise; an unknown name is an error."
+    if preset == "auto":
+        preset = "smoke" if os.environ.get("IN_TEST") else published if torch.cuda.is_available() else "cpu"
+        if preset not in available:
+            raise ValueError(f"{section} has no {preset!r} preset yet (it has {list(available)}); pass preset= one of those")
+        return preset
+    if preset not in available:
+        raise ValueError(f"unknown preset {preset!r} for {section}; the presets are {list(available)} (or 'auto')")
+    return preset
 
 # %% ../nbs/00_core.ipynb #72e4f78c
 class RunDir:
