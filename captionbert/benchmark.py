@@ -152,15 +152,6 @@ class HFEncoder:
         "L2-normalized mean-pooled embeddings [N, D]."
         return F.normalize(self.group.encode(list(texts), batch_size=self.batch_size)[self.name], dim=-1)
 
-    @classmethod
-    def from_spec(cls, spec: TeacherSpec, **kw) -> "HFEncoder":
-        "A teacher of a roster as the harness sees it: its own layer view and truncation, normalized."
-        enc = cls.__new__(cls)
-        enc.name, enc.batch_size = spec.name, kw.pop("batch_size", 64)
-        enc.group = TeacherGroup([spec], **kw)
-        enc.n_params = sum(p.numel() for p in enc.group.model.parameters())
-        return enc
-
 class StudentEncoder:
     "A CaptionEncoder (native, in memory or loaded from an exported folder) behind the Encoder protocol."
     def __init__(self, model: CaptionEncoder, # the student
