@@ -6,7 +6,7 @@ dynamic padding with a 256-token ceiling, and a length-stratified sampler."""
 # %% ../nbs/01_data.ipynb #26d13b2c
 from __future__ import annotations
 
-import dataclasses, os, random
+import dataclasses, os, random, re
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -17,10 +17,10 @@ from .core import sha256_bytes
 
 # %% auto #0
 __all__ = ['STS_DIR_VAR', 'CAPTIONS_VAR', 'CACHE_VAR', 'BERT_TOKENIZER_HUB', 'MAX_TOKENS', 'NOUNS', 'COLOURS', 'SIZES',
-           'MATERIALS', 'RELATIONS', 'ATTRIBUTE_KINDS', 'repo_root', 'find_data', 'cache_dir', 'runs_dir',
-           'bundled_minilm_path', 'load_tokenizer', 'TextFileCaptions', 'HubCaptions', 'SceneObject', 'Scene',
-           'SceneGrammar', 'open_captions', 'default_captions', 'tokenize', 'Batch', 'collate', 'sorted_batches',
-           'LengthBucketSampler', 'padding_report', 'stratified_sample']
+           'MATERIALS', 'RELATIONS', 'ATTRIBUTE_KINDS', 'SYNTHETIC_SPEC', 'HUB_SPEC', 'repo_root', 'find_data',
+           'cache_dir', 'runs_dir', 'bundled_minilm_path', 'load_tokenizer', 'TextFileCaptions', 'resolve_hub_revision',
+           'HubCaptions', 'SceneObject', 'Scene', 'SceneGrammar', 'open_captions', 'default_captions', 'tokenize',
+           'Batch', 'collate', 'sorted_batches', 'LengthBucketSampler', 'padding_report', 'stratified_sample']
 
 # %% ../nbs/01_data.ipynb #b68a476c
 STS_DIR_VAR = "CAPTIONBERT_STS_DIR"        # folder of <task>.tsv files for the benchmark
@@ -101,24 +101,45 @@ class TextFileCaptions:
     def __iter__(self): return iter(self.captions)
     def __repr__(self): return f"TextFileCaptions({self.name}, n={len(self)})"
 
+def resolve_hub_revision(name: str, # hub dataset
+                         revision: str | None = None # a branch, tag or commit; None = the default branch
+                        ) -> str:
+    "The commit sha a hub dataset's `revision` points at now (asks the hub; a full 40-hex sha is returned as is)."
+    if revision is not None and len(revision) == 40 and all(c in "0123456789abcdef" for c in revision): return revision
+    from huggingface_hub import HfApi
+    try: return HfApi().dataset_info(name, revision=revision).sha
+    except Exception as e:
+        raise RuntimeError(f"cannot resolve hub dataset {name!r} at revision {revision!r} to a commit ({type(e).__name__}: {e}); "
+                           f"connect to the hub, or pin a commit with the spec 'hub:{name}@<40-hex commit>:<column>'") from e
+
 class HubCaptions:
-    "Captions from a hub dataset column, streamed in order; the row id is the position in the stream."
+    "Captions from a hub dataset column at one resolved commit, streamed in order; the row id is the position in the stream."
     def __init__(self, name: str, # hub dataset, e.g. a CC12M caption set
                  column: str, # the caption column
                  split: str = "train", # the split to stream
-                 revision: str | None = None, # pinned revision
+                 revision: str | None = None, # branch, tag or commit to pin; None = the default branch, resolved on first use
                  limit: int | None = None, # stop after this many rows
-                 streaming: bool = True # stream rather than download
+                 streaming: bool = True, # stream rather than download
+                 resolver=None # (name, revision) -> commit sha; None = resolve_hub_revision (asks the hub)
                 ):
         self.hub_name, self.column, self.split, self.revision, self.limit, self.streaming = name, column, split, revision, limit, streaming
-        self.name = f"{name}:{column}" + (f"[:{limit}]" if limit else "")
-        self.fingerprint = sha256_bytes(f"{name}@{revision}:{split}:{column}:{limit}".encode())
+        self.resolver, self._commit = resolver or resolve_hub_revision, None
+        self.name = f"{name}" + (f"@{revision}" if revision else "") + f":{column}" + (f"[:{limit}]" if limit else "")
+    @property
+    def commit(self) -> str:
+        "The commit this source reads: `revision` resolved once, on first use (a network call unless a sha was pinned)."
+        if self._commit is None: self._commit = self.resolver(self.hub_name, self.revision)
+        return self._commit
+    @property
+    def fingerprint(self) -> str:
+        "Hash of what names the content: dataset, resolved commit, split, column and limit."
+        return sha256_bytes(f"{self.hub_name}@{self.commit}:{self.split}:{self.column}:{self.limit}".encode())
     def __len__(self):
         if self.limit is None: raise TypeError("a streamed hub source has no known length; pass limit=")
         return self.limit
     def __iter__(self) -> Iterator[str]:
         from datasets import load_dataset
-        ds = load_dataset(self.hub_name, split=self.split, revision=self.revision, streaming=self.streaming)
+        ds = load_dataset(self.hub_name, split=self.split, revision=self.commit, streaming=self.streaming)
         for i, row in enumerate(ds):
             if self.limit is not None and i >= self.limit: break
             yield str(row[self.column])
@@ -190,19 +211,26 @@ class SceneGrammar:
     def __repr__(self): return f"SceneGrammar(seed={self.seed}, n={self.n})"
 
 # %% ../nbs/01_data.ipynb #14412c9f
-def open_captions(spec: str | Path, # a file path, "hub:<dataset>:<column>[:<split>]", or "synthetic[:N]"
+SYNTHETIC_SPEC = re.compile(r"synthetic(?::([1-9][0-9]*))?")          # the whole spec: "synthetic" or "synthetic:N"
+HUB_SPEC = re.compile(r"hub:([^:@]+)(?:@([^:@]+))?:([^:]+)(?::([^:]+))?")  # hub:<dataset>[@<revision>]:<column>[:<split>]
+
+def open_captions(spec: str | Path, # "synthetic[:N]", "hub:<dataset>[@<revision>]:<column>[:<split>]", or a file path
                   limit: int | None = None, # keep only the first `limit` captions
-                  seed: int = 0 # grammar seed for "synthetic"
+                  seed: int = 0, # grammar seed for "synthetic"
+                  resolver=None # hub specs only: (name, revision) -> commit sha (see HubCaptions)
                  ):
-    "A caption source from a user's description of it."
+    "A caption source from a user's description of it: the whole spec must match a grammar, else it is a file path."
     s = str(spec)
-    if s.startswith("synthetic"):
-        n = int(s.split(":")[1]) if ":" in s else 10_000
+    if not isinstance(spec, Path) and (m := SYNTHETIC_SPEC.fullmatch(s)):
+        n = int(m.group(1)) if m.group(1) else 10_000
         return SceneGrammar(n=min(n, limit) if limit else n, seed=seed)
-    if s.startswith("hub:"):
-        parts = s.split(":")
-        if len(parts) not in (3, 4): raise ValueError(f"hub captions are 'hub:<dataset>:<column>[:<split>]', got {s!r}")
-        return HubCaptions(parts[1], parts[2], split=parts[3] if len(parts) == 4 else "train", limit=limit)
+    if not isinstance(spec, Path) and s.startswith("hub:"):
+        m = HUB_SPEC.fullmatch(s)
+        if m is None: raise ValueError(f"hub captions are 'hub:<dataset>[@<revision>]:<column>[:<split>]', got {s!r}")
+        name, revision, column, split = m.groups()
+        return HubCaptions(name, column, split=split or "train", revision=revision, limit=limit, resolver=resolver)
+    if not isinstance(spec, Path) and s.startswith("synthetic:") and not Path(s).exists():
+        raise ValueError(f"synthetic captions are 'synthetic' or 'synthetic:N' with N a positive whole number; {s!r} is neither, nor a file")
     return TextFileCaptions(s, limit=limit)
 
 def default_captions(limit: int | None = None, # keep only the first `limit` captions

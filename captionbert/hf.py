@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from .core import atomic_path, atomic_write_bytes, atomic_write_json
 from .encoder import CaptionEncoder, EncoderConfig
 
 # %% ../nbs/01c_export.ipynb #8e9551c5
@@ -43,10 +44,10 @@ class CaptionBertModel(PreTrainedModel):
     def _init_weights(self, module):
         pass  # every weight comes from model.safetensors
 
-    def forward(self, input_ids=None, attention_mask=None, output_hidden_states=False, output_attentions=False,
-                return_dict=True, **kwargs):
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, output_hidden_states=False,
+                output_attentions=False, return_dict=True, **kwargs):
         o = self.encoder(input_ids, attention_mask, output_hidden_states=bool(output_hidden_states),
-                         output_attentions=bool(output_attentions))
+                         output_attentions=bool(output_attentions), token_type_ids=token_type_ids)
         return BaseModelOutputWithPooling(last_hidden_state=o.last_hidden_state, pooler_output=o.pooler_output,
                                           hidden_states=o.hidden_states, attentions=o.attentions)
 '''
@@ -66,16 +67,21 @@ def export_pretrained(model: CaptionEncoder, # the trained encoder
     "Write a Hugging Face folder (config.json with auto_map, modeling file, model.safetensors, tokenizer) for `model`."
     from safetensors.torch import save_file
     folder = Path(folder); folder.mkdir(parents=True, exist_ok=True)
+    code = modeling_source(extra_modules)                   # everything is computed before the first byte is written
     cfg = dataclasses.asdict(model.config)
     config = {"architectures": ["CaptionBertModel"], "model_type": "captionbert", "encoder": cfg,
               "auto_map": {"AutoConfig": "modeling_captionbert.CaptionBertConfig", "AutoModel": "modeling_captionbert.CaptionBertModel"},
               "dtype": "float32", "hidden_size": cfg["hidden"], "num_hidden_layers": cfg["layers"], "num_attention_heads": cfg["heads"]}
-    (folder / "modeling_captionbert.py").write_text(modeling_source(extra_modules))
     state = {f"encoder.{k}": v.detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict().items()}
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp"); os.close(fd)
-    save_file(state, tmp, metadata={"format": "pt"}); os.replace(tmp, folder / "model.safetensors")
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tokenizer.save_pretrained(str(folder))
+    # each file goes in whole or not at all (temporary name, then rename); config.json, which makes the folder an
+    # export, goes in last, so an interrupted export over an old one leaves the old config and no partial file
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".tokenizer-") as stage:   # same filesystem: moves are renames
+        tokenizer.save_pretrained(stage)
+        for p in sorted(Path(stage).iterdir()):
+            if p.is_file(): os.replace(p, folder / p.name)
+    atomic_write_bytes(folder / "modeling_captionbert.py", code.encode())
+    with atomic_path(folder / "model.safetensors") as tmp: save_file(state, str(tmp), metadata={"format": "pt"})
+    atomic_write_json(folder / "config.json", config)
     return folder
 
 def load_pretrained(folder, # a folder written by export_pretrained

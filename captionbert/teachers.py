@@ -20,8 +20,8 @@ from .core import GuardError, atomic_path, atomic_write_json, autocast, folder_l
 from .data import bundled_minilm_path, cache_dir, collate, sorted_batches
 
 # %% auto #0
-__all__ = ['HUB_TEACHERS', 'TINY_FAMILY_CONFIGS', 'TeacherSpec', 'offline_teachers', 'roster', 'reference_member', 'mean_pool',
-           'TeacherGroup', 'load_teachers', 'save_tiny_teacher', 'EmbeddingStore', 'embed_corpus', 'embed_cached']
+__all__ = ['HUB_TEACHERS', 'EMBED_STAGE_VERSION', 'TeacherSpec', 'offline_teachers', 'roster', 'reference_member', 'mean_pool',
+           'TeacherGroup', 'load_teachers', 'EmbeddingStore', 'embed_corpus', 'embed_cache_key', 'embed_cached']
 
 # %% ../nbs/01a_teachers.ipynb #d79a4f64
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +64,8 @@ def reference_member(specs: Sequence[TeacherSpec]) -> TeacherSpec:
     return refs[0]
 
 # %% ../nbs/01a_teachers.ipynb #7c801f78
+EMBED_STAGE_VERSION = 1   # bump when a change to tokenizing, batching, the forward pass or pooling below changes the numbers
+
 def mean_pool(hidden: torch.Tensor, # [B, L, D] hidden states
               mask: torch.Tensor # [B, L] 1 on real tokens
              ) -> torch.Tensor:
@@ -120,28 +122,6 @@ def load_teachers(specs: Sequence[TeacherSpec], # a roster
     by_source: dict[str, list] = {}
     for s in specs: by_source.setdefault(s.source, []).append(s)
     return [TeacherGroup(v, device=device, precision=precision) for v in by_source.values()]
-
-# %% ../nbs/01a_teachers.ipynb #912e09ff
-TINY_FAMILY_CONFIGS = {
-    "bert": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64),
-    "distilbert": dict(dim=32, n_layers=2, n_heads=2, hidden_dim=64),
-    "roberta": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, max_position_embeddings=514, pad_token_id=0),
-    "albert": dict(embedding_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64),
-    "modernbert": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, pad_token_id=0,
-                       bos_token_id=101, eos_token_id=102, cls_token_id=101, sep_token_id=102),
-}
-
-def save_tiny_teacher(family: str, # a key of TINY_FAMILY_CONFIGS
-                      folder: str | Path, # where to write the model and tokenizer
-                      seed: int = 0
-                     ) -> Path:
-    "Write a tiny random-weight model of a hub family (with the bundled WordPiece tokenizer) for tests."
-    from transformers import AutoConfig, AutoModel, AutoTokenizer
-    torch.manual_seed(seed)
-    cfg = AutoConfig.for_model(family, vocab_size=30522, **TINY_FAMILY_CONFIGS[family])
-    folder = Path(folder); AutoModel.from_config(cfg).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(str(bundled_minilm_path())).save_pretrained(folder)
-    return folder
 
 # %% ../nbs/01a_teachers.ipynb #7e2f7859
 class EmbeddingStore:
@@ -210,14 +190,16 @@ def _embed_corpus(source, teachers, folder, shard_size, batch_size, limit, progr
     specs = [dataclasses.asdict(s) for g in teachers for s in g.specs]
     name = getattr(source, "name", "list"); fp = getattr(source, "fingerprint", None)
     if fp is None: fp = sha256_bytes("\n".join(source).encode())
-    header = {"source": name, "source_fingerprint": fp, "teachers": specs, "shard_size": shard_size, "limit": limit}
+    numerics = sorted({f"{torch.device(g.device).type}/{g.precision}" for g in teachers})   # device type / precision of each group
+    header = {"source": name, "source_fingerprint": fp, "teachers": specs, "shard_size": shard_size, "limit": limit,
+              "stage_version": EMBED_STAGE_VERSION, "numerics": numerics}
     mpath = folder / "manifest.json"
     if mpath.exists():
         old = json.loads(mpath.read_text())
         for k in header:
             if old.get(k) != header[k]:
                 raise GuardError(f"{folder} already holds embeddings with a different {k} ({old.get(k)!r} != {header[k]!r}); "
-                                 "use a new folder: two corpora or rosters never mix in one store")
+                                 "use a new folder: two corpora, rosters, code versions or numerics never mix in one store")
         shards = old["shards"]
     else: shards = {}
     dims = {}
@@ -258,6 +240,19 @@ def _embed_corpus(source, teachers, folder, shard_size, batch_size, limit, progr
     return EmbeddingStore(folder)
 
 # %% ../nbs/01a_teachers.ipynb #29a5d518
+def embed_cache_key(source, # a caption source (its fingerprint names its content)
+                    specs: Sequence[TeacherSpec], # the roster
+                    limit: int | None, # rows embedded
+                    shard_size: int, # rows per shard (the store's layout)
+                    device: str, # device type the numbers come from: "cpu", "cuda", "mps"
+                    precision: str, # fp32 / bf16 / fp16
+                    stage_version: int = EMBED_STAGE_VERSION # the embedding code's version
+                   ) -> str:
+    "The cache key of a teacher-embedding store: a hash of everything that changes what the store holds."
+    return sha256_bytes(json.dumps({"source": source.fingerprint, "teachers": [dataclasses.asdict(s) for s in specs],
+                                    "limit": limit, "shard_size": shard_size, "stage_version": stage_version,
+                                    "device": device, "precision": precision}, sort_keys=True).encode())[:16]
+
 def embed_cached(source, # a caption source
                  specs: Sequence[TeacherSpec], # the roster
                  limit: int | None = None, # embed only the first `limit` rows
@@ -265,7 +260,9 @@ def embed_cached(source, # a caption source
                  progress: bool = True
                 ) -> EmbeddingStore:
     "The cached embedding store of `source` under `specs`, computing only what is missing."
-    key = sha256_bytes(json.dumps([[dataclasses.asdict(s) for s in specs], source.fingerprint, limit, shard_size]).encode())[:16]
+    device = device if isinstance(device, torch.device) else pick_device(device)
+    precision = pick_precision(device, precision)             # resolved first: the key names the numerics actually used
+    key = embed_cache_key(source, specs, limit, shard_size, device.type, precision)
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in source.name)[:60]
     folder = cache_dir("embeddings", f"{safe}-{key}")
     if (folder / "manifest.json").exists():
