@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import numpy as np
 import torch
@@ -16,13 +16,70 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .core import GuardError, atomic_path, sha256_bytes
+from .core import SIZES, GuardError, atomic_path, resolve_preset, sha256_bytes
 from .data import default_captions, open_captions, stratified_sample
-from .gauges import retrieval_r1
+from .gauges import QuerySetReport, query_set_report, retrieval_r1
 
 # %% auto #0
-__all__ = ['AlignmentMap', 'fit_alignment', 'AlignmentScore', 'evaluate_alignment', 'identity_map', 'fit_roster',
-           'frame_fingerprint', 'AlignmentConfig', 'split_rows']
+__all__ = ['RowEmbeddings', 'AlignmentMap', 'fit_alignment', 'AlignmentScore', 'evaluate_alignment', 'check_queries',
+           'identity_map', 'fit_roster', 'frame_fingerprint', 'AlignmentConfig', 'split_rows']
+
+# %% ../nbs/03_alignment.ipynb #33554b06
+def _ids(rows) -> torch.Tensor:
+    "Row ids as a 1-D int64 tensor."
+    return torch.as_tensor(np.asarray(rows), dtype=torch.long).reshape(-1)
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RowEmbeddings:
+    "An embedding matrix with the corpus row id of each row; rows are selected by id, never by position."
+    vectors: torch.Tensor            # [N, D]
+    ids: torch.Tensor                # [N] corpus row ids (int64, unique)
+
+    def __post_init__(self):
+        if not isinstance(self.vectors, torch.Tensor) or self.vectors.ndim != 2:
+            raise ValueError(f"vectors must be an [N, D] tensor, got {type(self.vectors).__name__} {tuple(getattr(self.vectors, 'shape', ()))}")
+        ids = _ids(self.ids); object.__setattr__(self, "ids", ids)
+        if len(ids) != self.vectors.shape[0]: raise ValueError(f"{self.vectors.shape[0]} vectors but {len(ids)} row ids")
+        if len(torch.unique(ids)) != len(ids): raise ValueError("the row ids contain duplicates: each row of a corpus has one id")
+        s, o = torch.sort(ids); object.__setattr__(self, "_sorted", (s, o))
+    def __len__(self): return len(self.ids)
+    def __repr__(self):
+        span = f"{int(self.ids.min())}..{int(self.ids.max())}" if len(self) else "none"
+        return f"RowEmbeddings(n={len(self)}, d={self.width}, ids {span})"
+    @property
+    def width(self) -> int: return self.vectors.shape[1]
+
+    @classmethod
+    def full(cls, vectors: torch.Tensor # [N, D] every row of a corpus, in corpus order
+            ) -> "RowEmbeddings":
+        "Vectors that hold rows 0..N-1 of the corpus, in order."
+        return cls(vectors, torch.arange(vectors.shape[0]))
+    @classmethod
+    def load(cls, store, # an EmbeddingStore
+             teacher: str, # a teacher of the store
+             rows: Sequence[int] | None = None # corpus row ids to load; None = every row
+            ) -> "RowEmbeddings":
+        "One teacher's vectors from an embedding store, with their row ids (all rows, or the given ones)."
+        if rows is not None: return cls(store.load(teacher, rows), _ids(rows))
+        parts = [store.shard(teacher, k) for k in store.shard_keys]
+        return cls(torch.cat([e for e, _ in parts]), torch.cat([r for _, r in parts]))
+    def take(self, rows: Sequence[int] # corpus row ids
+            ) -> torch.Tensor:
+        "The vectors of the given row ids, in that order [n, D]; IndexError naming the ids this matrix does not hold."
+        want = _ids(rows); s, o = self._sorted
+        pos = torch.searchsorted(s, want).clamp_max(max(len(s) - 1, 0))
+        held = (s[pos] == want) if len(s) else torch.zeros(len(want), dtype=torch.bool)
+        if not held.all():
+            miss = want[~held]
+            raise IndexError(f"{len(miss)} of the {len(want)} requested rows (e.g. {miss[:5].tolist()}) are not among the {len(self)} rows "
+                             f"of {self!r}: rows are corpus ids, not positions; load the rows you need (RowEmbeddings.load(store, t, rows=...))")
+        return self.vectors[o[pos]]
+
+def _row_embeddings(x, what: str) -> RowEmbeddings:
+    "x itself when it carries row ids; TypeError for a bare matrix."
+    if isinstance(x, RowEmbeddings): return x
+    raise TypeError(f"{what} must be RowEmbeddings (vectors with their corpus row ids), got {type(x).__name__}: wrap it as "
+                    "RowEmbeddings(x, ids), or RowEmbeddings.full(x) when x holds every row of the corpus in order")
 
 # %% ../nbs/03_alignment.ipynb #7746255d
 def _whiten_colour(c: torch.Tensor, # [D, D] covariance (float64)
@@ -98,20 +155,18 @@ class AlignmentMap:
             raise GuardError(f"{path}: its tensors hash to {m.fingerprint[:12]} but it was saved as {meta['fingerprint'][:12]}; the file is corrupt")
         return m
 
-def fit_alignment(source: torch.Tensor, # [N_all, Ds] a teacher's embeddings, indexed by row id
-                  reference: torch.Tensor, # [N_all, Dr] the reference member's embeddings, same rows
-                  rows: Sequence[int], # the fit sample's row ids
+def fit_alignment(source: RowEmbeddings, # a teacher's embeddings with their corpus row ids
+                  reference: RowEmbeddings, # the reference member's embeddings (any order; rows matched by id)
+                  rows: Sequence[int], # the fit sample's corpus row ids
                   teacher: str = "source", reference_name: str = "reference",
-                  eps: float = 1e-5, # covariance ridge relative to the mean eigenvalue
-                  fit_ids: Sequence[int] | None = None # corpus row ids to record as the fit rows when `source` holds a subset
+                  eps: float = 1e-5 # covariance ridge relative to the mean eigenvalue
                  ) -> AlignmentMap:
     "Fit one global whitened-Procrustes map of `source` into `reference`'s frame on the given rows (FP64)."
-    if source.shape[0] != reference.shape[0]:
-        raise ValueError(f"source has {source.shape[0]} rows and reference {reference.shape[0]}: they must embed the same rows")
-    rows = torch.as_tensor(np.asarray(rows), dtype=torch.long)
+    source, reference = _row_embeddings(source, "source"), _row_embeddings(reference, "reference")
+    rows = _ids(rows)
     if len(rows) < 2: raise ValueError("a map needs at least 2 fit rows")
     if len(torch.unique(rows)) != len(rows): raise ValueError("the fit rows contain duplicates")
-    xs, xr = source[rows].double(), reference[rows].double()
+    xs, xr = source.take(rows).double(), reference.take(rows).double()
     if not (torch.isfinite(xs).all() and torch.isfinite(xr).all()): raise ValueError("the fit rows contain NaN or inf embeddings")
     mu_s, mu_r = xs.mean(0), xr.mean(0)
     cs = (xs - mu_s).T @ (xs - mu_s) / (len(rows) - 1)
@@ -119,9 +174,7 @@ def fit_alignment(source: torch.Tensor, # [N_all, Ds] a teacher's embeddings, in
     w_s, _ = _whiten_colour(cs, eps); w_r, c_r = _whiten_colour(cr, eps)
     zs, zr = (xs - mu_s) @ w_s, (xr - mu_r) @ w_r
     u, _, vh = torch.linalg.svd(zs.T @ zr, full_matrices=False)
-    ids = rows if fit_ids is None else torch.as_tensor(np.asarray(fit_ids), dtype=torch.long)
-    if len(ids) != len(rows): raise ValueError(f"fit_ids has {len(ids)} entries for {len(rows)} fit rows")
-    return AlignmentMap(teacher, reference_name, mu_s, w_s, u @ vh, c_r, mu_r, ids.sort().values, eps)
+    return AlignmentMap(teacher, reference_name, mu_s, w_s, u @ vh, c_r, mu_r, rows.sort().values, eps)
 
 # %% ../nbs/03_alignment.ipynb #39877d5f
 @dataclasses.dataclass(frozen=True)
@@ -140,47 +193,59 @@ class AlignmentScore:
                 f"gallery {self.gallery}), cos {self.mean_cosine:.3f}")
 
 def evaluate_alignment(amap: AlignmentMap, # a fitted map
-                       source: torch.Tensor, # [N_all, Ds] the teacher's embeddings, by row id
-                       reference: torch.Tensor, # [N_all, Dr] the reference's embeddings, by row id
-                       rows: Sequence[int], # rows to score on (held out from the fit)
+                       source: RowEmbeddings, # the teacher's embeddings with their corpus row ids
+                       reference: RowEmbeddings, # the reference's embeddings with their corpus row ids
+                       rows: Sequence[int], # corpus row ids to score on (held out from the fit)
                        gallery: int = 1024, # gallery size for R@1
                        in_sample: bool = False, # the labelled diagnostic: score on fit rows instead
                        seed: int = 0
                       ) -> AlignmentScore:
     "R@1, R@1/chance and mean cosine of a map on held-out rows; raises GuardError if any row was in the fit."
-    rows = torch.as_tensor(np.asarray(rows), dtype=torch.long)
+    source, reference = _row_embeddings(source, "source"), _row_embeddings(reference, "reference")
+    rows = _ids(rows)
     used = torch.isin(rows, amap.fit_rows)
     if not in_sample and used.any():
-        raise GuardError(f"{int(used.sum())} of the {len(rows)} rows scoring the {amap.teacher} map were used to fit it: a map is "
-                         "never scored on its fit rows (law 3). Draw held-out rows, e.g. stratified_sample(..., exclude=amap.fit_rows)")
+        raise GuardError(f"{int(used.sum())} of the {len(rows)} rows scoring the {amap.teacher} map (e.g. row ids {rows[used][:5].tolist()}) "
+                         "were used to fit it: a map is never scored on its fit rows (LAWS.md law 3). Rows are corpus ids; draw held-out "
+                         "ones, e.g. stratified_sample(..., exclude=amap.fit_rows)")
     if in_sample and not used.all(): raise ValueError("in_sample=True scores fit rows only; pass rows from amap.fit_rows")
-    a, r = amap.apply(source[rows]), amap.frame(reference[rows])
+    a, r = amap.apply(source.take(rows)), amap.frame(reference.take(rows))
     rep = retrieval_r1(a, r, gallery_sizes=(gallery,), seed=seed)
     g = next(iter(rep.r1))
     return AlignmentScore(amap.teacher, "in-sample" if in_sample else "out-of-sample", len(rows), g, rep.r1[g],
                           rep.times_chance(g), float(F.cosine_similarity(a, r).mean()), amap.n_over_d)
 
+# %% ../nbs/03_alignment.ipynb #a96cd5b7
+def check_queries(source, # the caption source (random access by row id)
+                  reference: RowEmbeddings, # the reference member's embeddings with their row ids
+                  rows: Sequence[int], # corpus row ids an R@1 is about to be quoted on
+                  tokenizer=None, # count tokens with it; None counts words
+                  min_rank: float = 2.0, max_cosine: float = 0.95 # the variation required (see QuerySetReport.assert_varies)
+                 ) -> QuerySetReport:
+    "The variation report of a query set; GuardError when it does not vary (LAWS.md law 2): quote no R@1 on it."
+    rows = _ids(rows)
+    texts = [source[int(r)] for r in rows]
+    return query_set_report(texts, _row_embeddings(reference, "reference").take(rows), tokenizer).assert_varies(min_rank, max_cosine)
+
 # %% ../nbs/03_alignment.ipynb #7819b525
-def identity_map(reference: torch.Tensor, # [N_all, Dr] the reference's embeddings
-                 rows: Sequence[int], name: str = "reference",
-                 fit_ids: Sequence[int] | None = None # corpus row ids of the fit rows (default: rows)
+def identity_map(reference: RowEmbeddings, # the reference's embeddings with their corpus row ids
+                 rows: Sequence[int], # the fit sample's corpus row ids
+                 name: str = "reference"
                 ) -> AlignmentMap:
     "The reference member's own map: centring at the fit-sample mean, identity otherwise."
-    rows = torch.as_tensor(np.asarray(rows), dtype=torch.long)
-    ids = rows if fit_ids is None else torch.as_tensor(np.asarray(fit_ids), dtype=torch.long)
-    x = reference[rows].double(); eye = torch.eye(x.shape[1], dtype=torch.float64)
-    return AlignmentMap(name, name, x.mean(0), eye, eye, eye, x.mean(0), ids.sort().values, 0.0)
+    rows = _ids(rows)
+    x = _row_embeddings(reference, "reference").take(rows).double(); eye = torch.eye(x.shape[1], dtype=torch.float64)
+    return AlignmentMap(name, name, x.mean(0), eye, eye, eye, x.mean(0), rows.sort().values, 0.0)
 
-def fit_roster(embeddings: dict, # teacher name -> [N_all, D] embeddings (by row id)
+def fit_roster(embeddings: dict, # teacher name -> RowEmbeddings (the whole corpus or any subset holding the fit rows)
                reference: str, # the reference member's name
-               rows: Sequence[int], # fit rows (indices into the embeddings)
-               eps: float = 1e-5,
-               fit_ids: Sequence[int] | None = None # corpus row ids of `rows` when the embeddings hold only a subset
+               rows: Sequence[int], # the fit sample's corpus row ids
+               eps: float = 1e-5
               ) -> dict[str, AlignmentMap]:
     "One map per teacher into the reference frame, fit on the same rows; the reference's own map is exact identity."
     if reference not in embeddings: raise KeyError(f"the reference {reference!r} is not among {list(embeddings)}")
     ref = embeddings[reference]
-    return {t: identity_map(ref, rows, reference, fit_ids) if t == reference else fit_alignment(x, ref, rows, t, reference, eps, fit_ids)
+    return {t: identity_map(ref, rows, reference) if t == reference else fit_alignment(x, ref, rows, t, reference, eps)
             for t, x in embeddings.items()}
 
 def frame_fingerprint(maps: dict # teacher -> AlignmentMap
@@ -213,11 +278,13 @@ class AlignmentConfig:
     @classmethod
     def published(cls): return cls(name="published", roster="hub", captions="hub:CaptionEmporium/conceptual-captions-cc12m-llavanext:caption_llava",
                                    limit=200_000, fit_n_over_d=24_000 / 768, batch_size=256, shard_size=65_536)
+    PRESETS: ClassVar[tuple] = SIZES         # the preset names: the one vocabulary of run sizes
+
     @classmethod
-    def preset(cls, name: str):
-        "A named preset: smoke, cpu or published."
-        if name not in ("smoke", "cpu", "published"): raise ValueError(f"unknown alignment preset {name!r}: smoke, cpu or published")
-        return getattr(cls, name)()
+    def preset(cls, name: str # smoke, cpu, published, or "auto" (see core.resolve_preset)
+              ) -> "AlignmentConfig":
+        "A named preset; \"auto\" and unknown names go through core.resolve_preset."
+        return getattr(cls, resolve_preset(name, available=cls.PRESETS, section="03_alignment"))()
     def fit_rows_for(self, width: int, n_over_d: float | None = None) -> int:
         return int(round((n_over_d or self.fit_n_over_d) * width))
     def caption_source(self, verbose: bool = True):

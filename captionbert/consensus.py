@@ -6,7 +6,7 @@ member's frame — written as sharded safetensors that carry the frame they live
 # %% ../nbs/04_consensus.ipynb #2e3f43d3
 from __future__ import annotations
 
-import dataclasses, json, time
+import dataclasses, inspect, json, time
 from pathlib import Path
 
 import numpy as np
@@ -16,15 +16,17 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .alignment import AlignmentConfig, AlignmentMap, fit_roster, frame_fingerprint, split_rows
-from .core import GuardError, atomic_path, atomic_write_json, folder_lock, sha256_file, to_jsonable
-from .data import load_tokenizer, tokenize
+from . import alignment as _alignment
+from .alignment import AlignmentConfig, AlignmentMap, RowEmbeddings, fit_roster, frame_fingerprint, split_rows
+from .core import GuardError, atomic_path, atomic_write_json, folder_lock, sha256_bytes, sha256_file, to_jsonable
+from .data import load_tokenizer, stratified_sample, tokenize
 from .gauges import effective_rank
 from .teachers import EmbeddingStore, TeacherGroup, embed_cached, reference_member, roster
 
 # %% auto #0
 __all__ = ['consensus', 'write_targets', 'ConsensusTargets', 'load_targets', 'target_geometry', 'ShiftReport',
-           'distribution_shift', 'repair_gate', 'build_consensus']
+           'distribution_shift', 'repair_gate', 'embeddings_fingerprint', 'stage_version', 'consensus_key',
+           'build_consensus']
 
 # %% ../nbs/04_consensus.ipynb #f17d40cb
 def consensus(aligned: dict # teacher -> [N, D] vectors in the reference frame
@@ -66,6 +68,10 @@ def write_targets(store: EmbeddingStore, # teacher embeddings of the corpus
     return folder
 
 # %% ../nbs/04_consensus.ipynb #802940b2
+def _targets_fingerprint(manifest: dict) -> str:
+    "One hash of a targets folder's vectors: their frame and every shard's sha256."
+    return sha256_bytes(json.dumps([manifest["frame"], {k: s["sha256"] for k, s in sorted(manifest["shards"].items())}]).encode())
+
 @dataclasses.dataclass
 class ConsensusTargets:
     "Consensus target vectors of a corpus, with the frame and provenance they carry."
@@ -77,6 +83,10 @@ class ConsensusTargets:
     def frame(self) -> str: return self.manifest["frame"]
     @property
     def source_fingerprint(self) -> str: return self.manifest["source_fingerprint"]
+    @property
+    def fingerprint(self) -> str:
+        "One hash of the target vectors themselves (their frame and every shard's sha256): what a run that trained on them records."
+        return _targets_fingerprint(self.manifest)
     def __repr__(self):
         return (f"ConsensusTargets({self.folder}, n={len(self.row_ids)}, d={self.targets.shape[1]}, "
                 f"frame={self.frame[:12]}, reference={self.manifest['reference']})")
@@ -100,7 +110,7 @@ def load_targets(folder: str | Path, # a folder written by write_targets
     man = json.loads(mpath.read_text())
     if expect_frame is not None and man["frame"] != expect_frame:
         raise GuardError(f"the targets in {folder} live in frame {man['frame'][:12]}, but this run declares frame {expect_frame[:12]}: "
-                         "targets from refit maps land in another frame with no signal in the loss (law 17). "
+                         "targets from refit maps land in another frame with no signal in the loss (LAWS.md law 17). "
                          "Use the targets (or the maps) of the declared frame.")
     parts, ids = [], []
     for k in sorted(man["shards"]):
@@ -112,14 +122,14 @@ def load_targets(folder: str | Path, # a folder written by write_targets
 
 # %% ../nbs/04_consensus.ipynb #b2fd9a7c
 def target_geometry(targets: ConsensusTargets, # the consensus
-                    reference: torch.Tensor, # [N_all, D] the reference member's raw embeddings, by row id
+                    reference: RowEmbeddings, # the reference member's raw embeddings with their row ids (holding the targets' rows)
                     sample: int = 8192, # rows measured (a seeded sample)
                     seed: int = 0) -> dict:
     "Effective rank of the consensus vs the reference's raw embeddings on the same rows, and per-shard spread."
     g = torch.Generator().manual_seed(seed)
     pick = torch.randperm(len(targets.row_ids), generator=g)[:sample]
     rows = targets.row_ids[pick]
-    er_c, er_r = effective_rank(targets.targets[pick]), effective_rank(reference[rows])
+    er_c, er_r = effective_rank(targets.targets[pick]), effective_rank(reference.take(rows))
     per_shard, start = [], 0
     for k in sorted(targets.manifest["shards"]):
         n = targets.manifest["shards"][k]["n"]
@@ -184,38 +194,83 @@ def repair_gate(store: EmbeddingStore, # the store holding the shard
     return out
 
 # %% ../nbs/04_consensus.ipynb #0430e403
+def embeddings_fingerprint(store: EmbeddingStore # a teacher-embedding store
+                          ) -> str:
+    "One hash of what a teacher-embedding store holds: its source, roster, widths and every shard's sha256."
+    m = store.manifest
+    return sha256_bytes(json.dumps({"source_fingerprint": m["source_fingerprint"], "teachers": m["teachers"], "dims": m.get("dims"),
+                                    "shards": {k: s["sha256"] for k, s in sorted(m["shards"].items())}}, sort_keys=True).encode())[:16]
+
+def stage_version() -> str:
+    "A hash of the source of every function that decides the targets: row sampling, the fit, the centroid, the writer."
+    fns = (tokenize, stratified_sample, split_rows, AlignmentConfig.fit_rows_for, RowEmbeddings.load, RowEmbeddings.take,
+           _alignment._whiten_colour, _alignment.fit_alignment, _alignment.identity_map, fit_roster,
+           AlignmentMap.__post_init__, AlignmentMap.apply, consensus, write_targets, target_geometry, _build_consensus)
+    return sha256_bytes("\n".join(inspect.getsource(f) for f in fns).encode())[:16]
+
+def consensus_key(cfg: AlignmentConfig, # the preset
+                  source, # its caption source (cfg.caption_source())
+                  store: EmbeddingStore # the teachers' embeddings of that source
+                 ) -> dict:
+    "Everything that changes build_consensus's targets: config, captions, teacher embeddings, stage code, numeric libraries."
+    return {"config": to_jsonable(cfg), "source_fingerprint": source.fingerprint, "embeddings": embeddings_fingerprint(store),
+            "stage_version": stage_version(), "torch": torch.__version__, "numpy": np.__version__}
+
+def _key_changes(old: dict | None, new: dict) -> list[str]:
+    "What differs between a recorded consensus key and the current one, each change named."
+    if not old: return ["no cache key recorded (built by older code)"]
+    out = []
+    for k in new:
+        a, b = old.get(k), new[k]
+        if k == "config" and isinstance(a, dict):
+            out += [f"config.{f} {a.get(f)!r} -> {b.get(f)!r}" for f in sorted(set(a) | set(b)) if a.get(f) != b.get(f)]
+        elif a != b: out.append(f"{k} {str(a)[:16]} -> {str(b)[:16]}")
+    return out
+
 def build_consensus(cfg: AlignmentConfig, # the preset (see AlignmentConfig)
                     folder: str | Path, # where the targets go
                     device=None, progress: bool = True) -> ConsensusTargets:
-    "Captions -> teacher embeddings -> alignment maps -> consensus targets; reuses targets already built from the same config."
-    with folder_lock(folder):              # concurrent builders of one folder take turns; the second finds the work done
-        mpath = Path(folder) / "targets.json"
-        if mpath.exists():
-            old = json.loads(mpath.read_text())
-            if old.get("config") == to_jsonable(cfg) and "geometry" in old: return load_targets(folder)
-        return _build_consensus(cfg, folder, device, progress)
-
-def _build_consensus(cfg, folder, device, progress):
-    specs = roster(cfg.roster); ref = reference_member(specs).name
+    "Captions -> teacher embeddings -> alignment maps -> consensus targets; reuses a folder only when its consensus_key matches."
     source = cfg.caption_source(verbose=progress)
     t0 = time.time()
-    store = embed_cached(source, specs, batch_size=cfg.batch_size, shard_size=cfg.shard_size, device=device, progress=progress)
+    store = embed_cached(source, roster(cfg.roster), batch_size=cfg.batch_size, shard_size=cfg.shard_size, device=device, progress=progress)
     t_embed = time.time() - t0
+    key = consensus_key(cfg, source, store)
+    with folder_lock(folder):              # concurrent builders of one folder take turns; the second finds the work done
+        mpath, rebuilt_from = Path(folder) / "targets.json", None
+        if mpath.exists():
+            old = json.loads(mpath.read_text())
+            changes = _key_changes(old.get("key"), key) + ([] if "geometry" in old else ["the previous build did not finish"])
+            if not changes: return load_targets(folder)
+            print(f"rebuilding the consensus targets in {folder}: " + "; ".join(changes))
+            rebuilt_from = {"changes": changes, "frame": old.get("frame"), "fingerprint": _targets_fingerprint(old) if "shards" in old else None}
+            mpath.unlink()                 # a half-rebuilt folder must never read as finished
+        return _build_consensus(cfg, folder, source, store, key, rebuilt_from, t_embed, progress)
+
+def _build_consensus(cfg, folder, source, store, key, rebuilt_from, t_embed, progress):
+    ref = reference_member(store.specs).name
     lengths = np.array([len(x) for x in tokenize(load_tokenizer(), list(source))])
     width = store.manifest["dims"][ref]
     fit_rows, eval_rows = split_rows(lengths, cfg, width)
     t0 = time.time()
-    maps = fit_roster({t: store.load(t, rows=fit_rows) for t in store.teachers}, ref, np.arange(len(fit_rows)), fit_ids=fit_rows)
+    maps = fit_roster({t: RowEmbeddings.load(store, t, rows=fit_rows) for t in store.teachers}, ref, fit_rows)
     t_fit = time.time() - t0
     t0 = time.time()
     write_targets(store, maps, folder, progress=progress,
-                  extra={"config": cfg, "n_over_d": len(fit_rows) / width, "eval_rows": eval_rows.tolist(),
-                         "timings_s": {"embed": round(t_embed, 2), "fit": round(t_fit, 3)}, "embeddings": str(store.folder)})
+                  extra={"config": cfg, "key": key, "rebuilt_from": rebuilt_from, "n_over_d": len(fit_rows) / width, "eval_rows": eval_rows.tolist(),
+                         "timings_s": {"embed": round(t_embed, 2), "fit": round(t_fit, 3)},
+                         "embeddings": str(store.folder)})
     t_write = time.time() - t0
     tg = load_targets(folder)
-    geo = target_geometry(tg, store.load(ref), seed=cfg.seed)
+    # what was written must be what was computed: the recorded frame is the frame of these maps, and the targets of a
+    # seeded sample of row ids are the centroid of these maps applied to the stored vectors of the same ids
+    if tg.frame != frame_fingerprint(maps):
+        raise GuardError(f"{folder}: targets.json records frame {tg.frame[:12]} but the maps fit here define {frame_fingerprint(maps)[:12]}")
+    probe = tg.row_ids[torch.randperm(len(tg.row_ids), generator=torch.Generator().manual_seed(cfg.seed))[:64]]
+    want = consensus({t: maps[t].apply(RowEmbeddings.load(store, t, rows=probe).take(probe)) for t in store.teachers})
+    if not torch.allclose(tg.for_rows(probe), want, atol=1e-5):
+        raise GuardError(f"{folder}: the targets written for rows {probe[:5].tolist()}... are not the consensus of their stored teacher vectors; rebuild")
+    geo = target_geometry(tg, RowEmbeddings.load(store, ref), seed=cfg.seed)
     tg.manifest.update(geometry=geo, timings_s={**tg.manifest["timings_s"], "write": round(t_write, 2)})
     atomic_write_json(Path(folder) / "targets.json", tg.manifest)
-    # the frame recorded with the targets must be the frame of the maps written beside them
-    assert frame_fingerprint(tg.maps()) == tg.frame
     return load_targets(folder)
