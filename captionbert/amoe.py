@@ -12,19 +12,21 @@ from typing import Optional, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .benchmark import DEV_TASKS, TASK_NAMES
 from .core import GuardError, atomic_path
 from .data import Batch, RELATIONS, SceneGrammar, Scene, SceneObject, collate
 from .encoder import CaptionEncoder, EncoderConfig, n_params, set_residual_hook
 
 # %% auto #0
-__all__ = ['SYNONYMS', 'HUB_PAIRS', 'sinh_route', 'Arm', 'backbone_fingerprint', 'ArmLibrary', 'AmoeModel', 'save_library',
-           'assert_toggle_exact', 'load_library', 'PairSet', 'grammar_pairs', 'hub_pairs', 'PairPlan', 'PairLoss',
-           'train_arm', 'amplitude_shares', 'greedy_roster']
+__all__ = ['SYNONYMS', 'HUB_PAIRS', 'sinh_route', 'Arm', 'backbone_fingerprint', 'ArmLibrary', 'check_backbone', 'AmoeModel',
+           'save_library', 'assert_toggle_exact', 'load_library', 'PairSet', 'grammar_pairs', 'hub_pairs', 'PairPlan',
+           'PairLoss', 'train_arm', 'amplitude_shares', 'greedy_roster', 'ArmStudyConfig']
 
 # %% ../nbs/06_amoe.ipynb #f7419de5
 def sinh_route(h: torch.Tensor, # [..., D] hidden states
@@ -106,10 +108,27 @@ class ArmLibrary(nn.Module):
             if arm.name in self.active: out = out + w[..., k:k + 1].to(x.dtype) * arm.delta(layer, x)
         return out
 
+def check_backbone(library: ArmLibrary, # the arms
+                   backbone: nn.Module, # the backbone they are about to sit on
+                   allow_foreign: bool = False # measure a transplant: warn instead of refusing
+                  ) -> str:
+    "Law 15 where arms meet a backbone: refuse one other than the library's own unless allowed (then warn); binds an unbound library."
+    fp = backbone_fingerprint(backbone)
+    if not library.backbone_fingerprint: library.backbone_fingerprint = fp          # fresh arms: bound to the first backbone they meet
+    elif library.backbone_fingerprint != fp:
+        if not allow_foreign:
+            raise GuardError(f"these arms were grown on backbone {library.backbone_fingerprint[:12]} but this backbone is {fp[:12]}: arms are "
+                             "backbone-bound (LAWS.md law 15; a transplant lost 31% of the gain silently). Pass allow_foreign=True to measure a transplant.")
+        warnings.warn(f"arms grown on backbone {library.backbone_fingerprint[:12]} put on foreign backbone {fp[:12]} (allow_foreign=True)")
+    return fp
+
 class AmoeModel(nn.Module):
     "A frozen backbone with an arm library on its residual stream; forward returns the backbone's typed output plus routing."
-    def __init__(self, backbone: CaptionEncoder, library: ArmLibrary):
+    def __init__(self, backbone: CaptionEncoder, library: ArmLibrary,
+                 allow_foreign: bool = False # put arms grown on another backbone on this one (warns; LAWS.md law 15)
+                ):
         super().__init__()
+        check_backbone(library, backbone, allow_foreign)
         self.backbone, self.library = backbone, library
         for p in backbone.parameters(): p.requires_grad_(False)
     @property
@@ -147,36 +166,44 @@ def save_library(library: ArmLibrary, path) -> Path:
     return path
 
 def assert_toggle_exact(model: AmoeModel, tokenizer=None, texts: Sequence[str] = ("a dog runs on the beach .", "two red cars", "")):
-    "Assert that with every arm off the model's outputs equal the bare backbone's exactly (torch.equal)."
+    "Assert the toggles: all off = the bare backbone, fresh arms all on = the bare backbone (torch.equal), masked != solo (LAWS.md law 14)."
     from captionbert.data import load_tokenizer
     tok = tokenizer or load_tokenizer()
     b = collate(tok(list(texts))["input_ids"])
     dev = next(model.backbone.parameters()).device
     ids, m = b.input_ids.to(dev), b.attention_mask.to(dev)
-    was = model.library.active
-    with torch.no_grad():
-        bare = model.backbone(ids, m)                       # the library is installed only inside model(...)
-        model.library.set_active([]); off = model(ids, m)
-    model.library.active = was
-    if not (torch.equal(bare.pooler_output, off.pooler_output) and torch.equal(bare.last_hidden_state, off.last_hidden_state)):
-        raise GuardError("with every arm off the outputs differ from the bare backbone: the toggle is not bit-exact")
+    lib, was = model.library, model.library.active
+    same = lambda x, y: torch.equal(x.pooler_output, y.pooler_output) and torch.equal(x.last_hidden_state, y.last_hidden_state)
+    try:
+        with torch.no_grad():
+            bare = model.backbone(ids, m)                       # the library is installed only inside model(...)
+            lib.set_active([])
+            if not same(bare, model(ids, m)):
+                raise GuardError("with every arm off the outputs differ from the bare backbone: the toggle is not bit-exact")
+            born = ArmLibrary([Arm(**{**a.spec(), "random_init": False}) for a in lib.arms], lib.tau).to(dev)     # unbound: binds to this backbone
+            if not same(bare, AmoeModel(model.backbone, born)(ids, m)):
+                raise GuardError("a fresh library of these arms' shapes, every arm on, changes the backbone's outputs: arms are not born null "
+                                 "(up-projections must start at zero and the hook must add nothing else)")
+            trained = [a for a in lib.arms if any(u.weight.abs().sum() > 0 for u in a.up)]
+            if len(lib.arms) > 1:
+                for a in trained:                                # LAWS.md law 14: a masked member is a damped member, not a solo one
+                    lib.set_active([a.name]); masked = model(ids, m)
+                    solo = AmoeModel(model.backbone, ArmLibrary([a], lib.tau))(ids, m)
+                    if same(masked, solo):
+                        raise GuardError(f"arm {a.name!r} masked alone inside the collective equals the arm solo: the router renormalized "
+                                         "over the active arms, but a masked arm must keep its share of the denominator (LAWS.md law 14)")
+    finally: lib.active = was
 
 def load_library(path, backbone: CaptionEncoder, # the backbone the arms will sit on
                  allow_foreign: bool = False, # load onto a backbone other than the one that grew the arms (warns)
                  tau: Optional[float] = None # override the saved temperature
                 ) -> AmoeModel:
-    "Load a saved library onto a backbone: refuses a foreign backbone unless allowed, and asserts bit-exact toggles."
+    "Load a saved library onto a backbone: refuses a foreign backbone unless allowed (LAWS.md law 15), and asserts the toggles."
     path = Path(path)
     try:
         with safe_open(str(path), "pt") as f: meta, tensors = f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e: raise GuardError(f"{path} is not a readable arm library ({e})") from e
     if meta.get("format") != "captionbert-amoe-v1": raise GuardError(f"{path} is not a captionbert arm library (format {meta.get('format')!r})")
-    fp = backbone_fingerprint(backbone)
-    if meta["backbone_fingerprint"] != fp:
-        if not allow_foreign:
-            raise GuardError(f"{path} was grown on backbone {meta['backbone_fingerprint'][:12]} but this backbone is {fp[:12]}: arms are "
-                             "backbone-bound (law 15; a transplant lost 31% of the gain silently). Pass allow_foreign=True to measure a transplant.")
-        warnings.warn(f"loading arms grown on backbone {meta['backbone_fingerprint'][:12]} onto foreign backbone {fp[:12]} (allow_foreign=True)")
     arms = []
     for spec in json.loads(meta["arms"]):
         arm = Arm(**spec)
@@ -184,7 +211,8 @@ def load_library(path, backbone: CaptionEncoder, # the backbone the arms will si
         arms.append(arm)
     dev = next(backbone.parameters()).device
     lib = ArmLibrary(arms, tau=float(meta["tau"]) if tau is None else tau, backbone_fingerprint=meta["backbone_fingerprint"]).to(dev)
-    model = AmoeModel(backbone, lib)
+    try: model = AmoeModel(backbone, lib, allow_foreign=allow_foreign)
+    except GuardError as e: raise GuardError(f"{path}: {e}") from e
     assert_toggle_exact(model)
     return model
 
@@ -248,7 +276,7 @@ HUB_PAIRS = {   # published size: pair datasets on the hub (name, column a, colu
 
 # %% ../nbs/06_amoe.ipynb #7e615463
 class PairPlan:
-    "The pair batch of every step (a pure function of seed and step): 2B rows, the a-sides then the b-sides."
+    "The pair batch of every step (a pure function of seed and step): 2B rows, each pair's a-side then its b-side."
     def __init__(self, tokenizer, pairs: PairSet, batch_size: int, seed: int = 0, max_tokens: int = 256):
         self.pairs, self.batch_size, self.seed = pairs, batch_size, seed
         self.a = tokenizer(pairs.a, truncation=True, max_length=max_tokens)["input_ids"]
@@ -256,22 +284,47 @@ class PairPlan:
         self.per_epoch = len(pairs) // batch_size
         if self.per_epoch == 0: raise ValueError(f"{len(pairs)} pairs cannot fill one batch of {batch_size}")
     def __call__(self, step: int) -> Batch:
+        "Rows interleaved a, b, a, b, ... with ids 2i (a-side of pair i) and 2i + 1 (its b-side): any even shard holds whole pairs."
         epoch, i = divmod(step, self.per_epoch)
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.pairs))
         rows = order[i * self.batch_size:(i + 1) * self.batch_size]
-        return collate([self.a[r] for r in rows] + [self.b[r] for r in rows], np.concatenate([rows, rows]))
+        return collate([x for r in rows for x in (self.a[r], self.b[r])], np.stack([2 * rows, 2 * rows + 1], 1).reshape(-1))
+
+class _GatherRows(torch.autograd.Function):
+    "all_gather of equal shards along dim 0; backward hands each rank the gradient of its own rows, summed over ranks."
+    @staticmethod
+    def forward(ctx, x):
+        ctx.rank, ctx.n = dist.get_rank(), x.shape[0]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]; dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts)
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous(); dist.all_reduce(g)          # every rank's loss reads every row: sum the row gradients
+        return g[ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n]
 
 class PairLoss:
-    "Symmetric InfoNCE between the pooled outputs of the two sides of each pair."
+    "Symmetric InfoNCE between the two sides of each pair; every other pair of the global batch (all ranks) is a negative."
     def __init__(self, temperature: float = 0.05): self.temperature = temperature
-    def __call__(self, model, batch: Batch, global_batch: Batch):
-        if len(batch.rows) != len(global_batch.rows): raise NotImplementedError("pair training runs in one process")
-        out = model(batch.input_ids, batch.attention_mask).pooler_output.float()
-        n = out.shape[0] // 2
-        logits = out[:n] @ out[n:].T / self.temperature
-        labels = torch.arange(n, device=out.device)
-        loss = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
-        return loss, {"pair_cosine": (out[:n] * out[n:]).sum(-1).mean().detach()}
+    def __call__(self, model, batch: Batch, # this process's shard of the global batch (whole pairs, interleaved)
+                 global_batch: Batch):
+        from captionbert.train import _world
+        rows, g = torch.as_tensor(batch.rows), torch.as_tensor(global_batch.rows)
+        if len(rows) % 2 or not (torch.equal(rows[0::2] % 2, torch.zeros_like(rows[0::2])) and torch.equal(rows[1::2], rows[0::2] + 1)):
+            raise ValueError(f"a pair batch interleaves a-side 2i and b-side 2i+1 row by row; got rows {rows[:6].tolist()}...: build it with PairPlan")
+        out = model(batch.input_ids, batch.attention_mask).pooler_output.float()          # [2b, O]
+        a, b = out[0::2], out[1::2]                                                        # [b, O] each
+        rank, world = _world()
+        if world > 1:                  # negatives from every rank, gradients sent back to the rank that owns them
+            a_all, b_all = _GatherRows.apply(a), _GatherRows.apply(b)                       # [B, O]
+            ids = [torch.empty_like(rows) for _ in range(world)]; dist.all_gather(ids, rows)
+            if not torch.equal(torch.cat(ids), g):
+                raise GuardError(f"the shards gathered across {world} ranks are not the global batch in order (rows {torch.cat(ids)[:6].tolist()}... "
+                                 f"!= {g[:6].tolist()}...): every rank must take its contiguous share of the same global batch")
+        else: a_all, b_all = a, b
+        offset = int((g[0::2] == rows[0]).nonzero()[0])                                    # this shard's first pair in the global batch
+        labels = torch.arange(offset, offset + len(a), device=out.device)
+        loss = (F.cross_entropy(a @ b_all.T / self.temperature, labels) + F.cross_entropy(b @ a_all.T / self.temperature, labels)) / 2
+        return loss, {"pair_cosine": (a * b).sum(-1).mean().detach()}
 
 def train_arm(backbone: CaptionEncoder, # frozen
               arm: Arm, # the arm to train (its adapters and key)
@@ -306,7 +359,7 @@ def amplitude_shares(model: AmoeModel, tokenizer, texts: Sequence[str], batch_si
             "negative_fraction": {a.name: float(neg[k] / max(count, 1)) for k, a in enumerate(model.library.arms) if a.name in model.library.active}}
 
 def greedy_roster(candidates: dict, # name -> Arm (trained candidates)
-                  score, # callable(list of Arms) -> float, e.g. the harness mean of a library of these arms
+                  score, # callable(list of Arms) -> float: the DEV score of a library of these arms (selection never sees the test sets)
                   random_arm, # callable(index) -> a fresh random Arm of the same size
                   max_arms: int = 6, log=print) -> dict:
     "Greedy roster selection priced against random-at-same-size; returns the roster, the steps, and why it halted."
@@ -325,3 +378,43 @@ def greedy_roster(candidates: dict, # name -> Arm (trained candidates)
             return {"roster": [a.name for a in roster], "steps": steps, "halted": f"no candidate improves the roster ({current:.4f})"}
         roster.append(left.pop(best)); current = trial[best]
     return {"roster": [a.name for a in roster], "steps": steps, "halted": "candidates exhausted" if not left else f"max_arms={max_arms}"}
+
+# %% ../nbs/06_amoe.ipynb #653656b2
+@dataclasses.dataclass(frozen=True)
+class ArmStudyConfig:
+    "The sizes of an arm study (06's library, 07's transplant) at one preset."
+    name: str = "cpu"                         # the preset's name (run directories, printouts)
+    backbone_preset: str = "cpu"              # the 05_train preset of the student(s) the arms sit on
+    rank: int = 32                            # an arm's bottleneck rank
+    steps: int = 200                          # training steps of each arm
+    key_steps: int = 200                      # steps of key-only re-alignment (07)
+    batch_size: int = 64                      # pairs a step (2x rows)
+    lr: float = 1e-3                          # arm learning rate (warmup: a tenth of the steps)
+    pairs: int = 8192                         # grammar pairs a task
+    taus: tuple = (0.10, 0.05, 0.02)          # the temperature sweep; the first is the library's own
+    sweep_seeds: tuple = (0, 1)               # seeds of the temperature sweep
+    tasks: tuple = TASK_NAMES                 # the test sets every result is reported on
+    dev_task: str = DEV_TASKS[0]              # the dev set every selection is made on (never reported as a result)
+    transplant_bars: tuple = ()               # 07's measured bars asserted at this preset (loss, keys, native); the rest are study results
+    @classmethod
+    def cpu(cls, **kw): return cls(**{"name": "cpu", **kw})
+    @classmethod
+    def smoke(cls, **kw): return cls(**{"name": "smoke", "backbone_preset": "smoke", "rank": 8, "steps": 15, "key_steps": 15, "batch_size": 32,
+                                       "pairs": 512, "sweep_seeds": (0,), "tasks": ("stsb", "biosses"), **kw})
+    PRESETS = ("smoke", "cpu")
+    @classmethod
+    def preset(cls, name: str, **kw):
+        "A named preset: smoke or cpu (keyword overrides allowed)."
+        if name not in cls.PRESETS: raise ValueError(f"unknown arm-study preset {name!r}: one of {list(cls.PRESETS)}")
+        return getattr(cls, name)(**kw)
+    def __post_init__(self):
+        if self.dev_task in self.tasks: raise ValueError(f"the dev set {self.dev_task!r} cannot also be a reported test set ({self.tasks})")
+        if not self.taus or not self.sweep_seeds: raise ValueError("the sweep needs at least one temperature and one seed")
+        unknown = set(self.transplant_bars) - {"loss", "keys", "native"}
+        if unknown: raise ValueError(f"unknown transplant bars {sorted(unknown)}: the measured bars are loss, keys and native")
+    def train_config(self, steps: Optional[int] = None): # None: the arms' steps
+        "The TrainConfig of one arm (or key re-alignment) run on the workbook's loop."
+        from captionbert.train import TrainConfig
+        n = self.steps if steps is None else steps
+        return TrainConfig(name=f"arm-{self.name}", batch_size=self.batch_size, max_steps=n, lr=self.lr, warmup_steps=max(1, n // 10),
+                           eval_every=10**9, ckpt_every_steps=10**9, log_every=10)

@@ -1,4 +1,4 @@
-"""Arms are backbone-bound: a library grown on one backbone, moved to its sibling, loses part of its gain with no error.
+"""Arms are backbone-bound (LAWS.md law 15): a library grown on one backbone, moved to its sibling, loses part of its gain with no error.
 This notebook measures the loss and the recovery arc — re-aligning only the routing keys, and retraining the arms
 natively — between two sibling students trained by the same loop on the same targets."""
 
