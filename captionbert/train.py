@@ -18,14 +18,16 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .core import GuardError, RunDir, atomic_path, autocast, pick_device, pick_precision, set_seed, to_jsonable
+from .core import GuardError, RunDir, atomic_path, atomic_write_bytes, autocast, pick_device, pick_precision, set_seed, to_jsonable
 from .data import Batch, LengthBucketSampler, collate
-from .gauges import effective_rank, mimicry_r1, self_cosine
+from .gauges import effective_rank, mimicry_r1, query_set_report, self_cosine
 
 # %% auto #0
-__all__ = ['TrainConfig', 'lr_at', 'TokenizedCorpus', 'BatchPlan', 'save_weights', 'latest_checkpoint', 'load_checkpoint',
-           'TrainResult', 'train', 'ConsensusLoss', 'frame_gap', 'ConsensusGauges', 'resolve_targets', 'caption_source',
-           'resolve_preset', 'ConsensusRun', 'run_consensus_training', 'main']
+__all__ = ['RESUME_LOG', 'WHERE_KEYS', 'TrainConfig', 'lr_at', 'TokenizedCorpus', 'BatchPlan', 'save_weights',
+           'latest_checkpoint', 'load_checkpoint', 'config_changes', 'check_resume_config', 'TrainResult', 'train',
+           'ConsensusLoss', 'frame_gap', 'frame_gap_floor', 'mimicry_line', 'ConsensusGauges', 'resolve_targets',
+           'caption_source', 'ConsensusRun', 'run_consensus_training', 'export_student', 'score_student',
+           'scoring_code_version', 'teacher_cache_key', 'score_teachers', 'main']
 
 # %% ../nbs/05_train.ipynb #c11b275e
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +56,9 @@ class TrainConfig:
     log_every: int = 10                  # steps between TensorBoard points (metrics.jsonl gets every step)
     best_metric: str = "gauge/target_cosine"
 
+    PRESETS = ("smoke", "cpu", "published", "v2", "v2b")   # what `preset` accepts: the size names, then the named recipes
+    ALIASES = {"published": "v2"}                           # a size name -> the recipe it means here
+
     @staticmethod
     def steps_for(rows: int, batch_size: int, epochs: int = 4) -> int:
         "Optimizer steps of `epochs` passes over `rows` at `batch_size`, dropping each epoch's short last batch."
@@ -69,10 +74,14 @@ class TrainConfig:
     def smoke(cls, **kw): return cls(**{"name": "smoke", "encoder": "tiny", "alignment": "smoke", "batch_size": 32, "max_steps": 40,
                                        "warmup_steps": 5, "eval_every": 20, "eval_rows": 256, "ckpt_every_steps": 20, "log_every": 5, **kw})
     @classmethod
+    def canonical(cls, name: str) -> str:
+        "The recipe a preset name means: a size name is mapped to its recipe (published -> v2), a recipe to itself."
+        if name not in cls.PRESETS: raise ValueError(f"unknown training preset {name!r}: one of {list(cls.PRESETS)}")
+        return cls.ALIASES.get(name, name)
+    @classmethod
     def preset(cls, name: str, **kw):
-        "A named preset: v2, v2b, cpu or smoke (keyword overrides allowed)."
-        if name not in ("v2", "v2b", "cpu", "smoke"): raise ValueError(f"unknown training preset {name!r}: v2, v2b, cpu or smoke")
-        return getattr(cls, name)(**kw)
+        "A named preset: smoke, cpu, published (= v2), v2 or v2b (keyword overrides allowed)."
+        return getattr(cls, cls.canonical(name))(**kw)
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     "Learning rate at `step`: linear warmup to cfg.lr, then cosine decay to cfg.min_lr at cfg.max_steps."
@@ -147,6 +156,40 @@ def load_checkpoint(run: RunDir, path: Path) -> dict:
     try: return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e: raise GuardError(f"{path} could not be read as a training checkpoint ({type(e).__name__}: {e})") from e
 
+RESUME_LOG = "resumes.jsonl"                                   # one line per resume of a run directory
+WHERE_KEYS = ("device", "world_size", "targets", "code_version")  # where a run happens: may change on resume (logged)
+
+def _flat(d, prefix: str = "") -> dict:
+    "A nested JSON dict as {dotted.key: leaf value}."
+    if not isinstance(d, dict): return {prefix: d}
+    out = {}
+    for k, v in d.items(): out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+def config_changes(old: dict, # the config the checkpoint was trained under (JSON)
+                   new: dict # the config of this call (JSON)
+                  ) -> dict:
+    "Every dotted key whose value differs between two run configs: key -> [old, new] (missing = None)."
+    a, b = _flat(old), _flat(new)
+    return {k: [a.get(k), b.get(k)] for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+def check_resume_config(old: dict, # the checkpoint's run config
+                        new: dict, # this call's run config
+                        allow_changes=(), # keys that may change ("max_steps" or "train.max_steps"), or True for any
+                        where: str = "the checkpoint" # named in the error
+                       ) -> dict:
+    "The changes between a checkpoint's config and this call's; GuardError listing the keys unless each is allowed."
+    changes = config_changes(old, new)
+    def allowed(k): return (allow_changes is True or k.split(".")[0] in WHERE_KEYS
+                            or any(k == a or k.endswith("." + a) for a in (allow_changes or ())))
+    refused = {k: v for k, v in changes.items() if not allowed(k)}
+    if refused:
+        listed = "; ".join(f"{k}: {v[0]!r} -> {v[1]!r}" for k, v in refused.items())
+        raise GuardError(f"this call changes the run that {where} belongs to: {listed}. A resumed run keeps its config; "
+                         f"pass allow_changes={set(k.split('.')[-1] for k in refused)!r} (or allow_changes=True) to resume "
+                         "with the change on purpose, or start a new run directory.")
+    return changes
+
 @dataclasses.dataclass
 class TrainResult:
     "What a call of `train` did."
@@ -169,11 +212,15 @@ def train(model: torch.nn.Module, # the model (its parameters that require grad 
           evaluate_fn: Optional[Callable] = None, # (model, step) -> metrics dict, run every eval_every steps and at the end
           stop_at: Optional[int] = None, # stop (with a checkpoint) once this step is reached, as an interruption would
           resume: bool = True, # continue from the latest checkpoint of `run`
-          device=None, progress: bool = True) -> TrainResult:
+          device=None, progress: bool = True,
+          config: Optional[dict] = None, # the run's whole resolved config (seed, model, ...); `cfg` is always its "train" entry
+          allow_changes=() # config keys a resume may change ("max_steps", ...), or True for any; others raise GuardError
+         ) -> TrainResult:
     "The workbook's one training loop: Adam, warmup+cosine, clipping, precision, logs, gauges, checkpoints, exact resume, DDP."
     rank, world = _world()
     device = pick_device(device) if not isinstance(device, torch.device) else device
     precision = pick_precision(device, cfg.precision)
+    run_config = to_jsonable({**(config or {}), "train": cfg})
     model.to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params: raise ValueError("the model has no trainable parameters")
@@ -187,12 +234,22 @@ def train(model: torch.nn.Module, # the model (its parameters that require grad 
         if ck["corpus"] != to_jsonable(corpus):
             state = "a completed" if ck["completed"] else "an unfinished"
             raise GuardError(f"{ck_path} is {state} checkpoint (step {ck['step']}) of another corpus: {ck['corpus']} != {to_jsonable(corpus)}. "
-                             "A checkpoint is never resumed into a new corpus (law 16); start a new run directory.")
+                             "A checkpoint is never resumed into a new corpus (LAWS.md law 16); start a new run directory.")
+        old = ck.get("run_config") or {"train": ck["config"]}          # checkpoints before run_config carried the TrainConfig only
+        changes = check_resume_config(old, run_config if "run_config" in ck else {"train": run_config["train"]}, allow_changes, str(ck_path))
         if ck["step"] >= cfg.max_steps:
             raise GuardError(f"nothing left to train: {ck_path} is at step {ck['step']} of max_steps {cfg.max_steps}. An empty training "
-                             "range would reprint the old run's metrics as new (law 16); raise max_steps or start a new run directory.")
+                             "range would reprint the old run's metrics as new (LAWS.md law 16); raise max_steps (with "
+                             "allow_changes={'max_steps'}) or start a new run directory.")
         _unwrap(model).load_state_dict(ck["model"]); opt.load_state_dict(ck["optimizer"]); sched.load_state_dict(ck["scheduler"])
         scaler.load_state_dict(ck["scaler"]); _set_rng_state(ck["rng"]); start, best = ck["step"], ck.get("best")
+        if rank == 0:
+            log = run / RESUME_LOG
+            entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "from_step": start, "checkpoint": str(ck_path.relative_to(run.path)),
+                     "changed": changes, "allowed": sorted(allow_changes) if isinstance(allow_changes, (set, frozenset, list, tuple)) else allow_changes}
+            atomic_write_bytes(log, (log.read_bytes() if log.exists() else b"") + (json.dumps(to_jsonable(entry)) + "\n").encode())
+    elif rank == 0:
+        run.write_config(run_config)                           # a fresh start writes the run's config; a resume keeps the original
     if world > 1:
         if cfg.batch_size % world: raise ValueError(f"batch {cfg.batch_size} does not split over {world} processes")
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -207,13 +264,13 @@ def train(model: torch.nn.Module, # the model (its parameters that require grad 
         if rank != 0: return
         state = {"model": _unwrap(model).state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                  "scaler": scaler.state_dict(), "rng": _rng_state(), "step": step, "completed": completed,
-                 "corpus": to_jsonable(corpus), "config": to_jsonable(cfg), "best": best}
+                 "corpus": to_jsonable(corpus), "config": to_jsonable(cfg), "run_config": run_config, "best": best}
         p = run.subdir("checkpoints") / f"state-{step:08d}.pt"
         with atomic_path(p) as tmp: torch.save(state, tmp)
         run.record(p, "state")
         snaps = sorted(k for k, v in run.manifest().items() if v["kind"] == "state")
-        for old in snaps[:-cfg.keep_snapshots]:
-            (run.path / old).unlink(missing_ok=True); run.forget(run.path / old)
+        for old_snap in snaps[:-cfg.keep_snapshots]:
+            (run.path / old_snap).unlink(missing_ok=True); run.forget(run.path / old_snap)
 
     def gauges(step):
         nonlocal best
@@ -246,7 +303,7 @@ def train(model: torch.nn.Module, # the model (its parameters that require grad 
             row = {"loss": float(loss.detach()), "lr": sched.get_last_lr()[0], "grad_norm": float(gnorm), "real_tokens": gb.real_tokens,
                    "padded_tokens": gb.padded_tokens, "rows": B, "step_seconds": round(time.time() - t0, 4),
                    **{k: float(v) for k, v in metrics.items()}}
-            with open(run / RunDir.METRICS, "a") as f: f.write(json.dumps({"step": step + 1, **row}) + "\n")
+            run.log(step + 1, **row)                           # the run directory's one writer of metrics.jsonl
             if (step + 1) % cfg.log_every == 0:
                 for k, v in row.items(): writer.add_scalar(f"train/{k}", v, step + 1)
                 bar.set_postfix(loss=f"{row['loss']:.4f}")
@@ -290,21 +347,61 @@ def frame_gap(student: torch.Tensor, # [N, O] the student's outputs
     r = u @ vh
     return float((F.normalize(s[1::2] @ r, dim=-1) * t[1::2]).sum(-1).mean() - (s[1::2] * t[1::2]).sum(-1).mean())
 
+def frame_gap_floor(student: torch.Tensor, # [N, O] the student's outputs
+                    targets: torch.Tensor, # [N, O] their targets
+                    shuffles: int = 4, # surrogate students averaged
+                    seed: int = 0) -> tuple[float, float]:
+    "The frame gap of a student in the target frame with this one's error size (residuals shuffled across rows): (mean, std)."
+    s, t = F.normalize(student.double(), dim=-1), F.normalize(targets.double(), dim=-1)
+    r = s - t; r = r - r.mean(0)                                              # [N, O] residuals, centred: no shared offset to rotate away
+    g = torch.Generator().manual_seed(seed)
+    gaps = [frame_gap(t + r[torch.randperm(len(r), generator=g)], t) for _ in range(shuffles)]
+    return float(np.mean(gaps)), float(np.std(gaps))
+
+def mimicry_line(row: dict # a gauge row of metrics.jsonl
+                ) -> str:
+    "The row's mimicry R@1, quoted only beside its query-set verdict (LAWS.md law 2); otherwise withheld, saying why."
+    r1 = {int(k.split("@")[1]): v for k, v in row.items() if k.startswith("mimicry/r1@")}
+    if not r1: return "mimicry R@1: not measured"
+    if "queryset/verdict" not in row: return "mimicry R@1 withheld: no query-set check was logged with it (LAWS.md law 2)"
+    if not row.get("queryset/varies"): return f"mimicry R@1 withheld: {row['queryset/verdict']}"
+    note = ("  (flat at the ceiling: held-out targets are too distinct for mimicry to rank the student; read target cosine)"
+            if row.get("mimicry/saturated") and row.get("mimicry/flat") else "  (FLAT: check the objective)" if row.get("mimicry/flat") else "")
+    return ("mimicry R@1 " + "  ".join(f"g={g}: {v:.4f}" for g, v in sorted(r1.items())) + note +
+            f"  [query set varies: {row['queryset/unique']} unique, words p50/max {row['queryset/length_p50']:.0f}/"
+            f"{row['queryset/length_max']}, erank {row['queryset/effective_rank']:.1f}, mean cos {row['queryset/mean_cosine']:+.3f}]")
+
 class ConsensusGauges:
     "The training-side gauges of a student against its targets on held-out rows."
-    def __init__(self, corpus: TokenizedCorpus, targets: torch.Tensor, rows: Sequence[int], batch_size: int = 256, device=None):
+    def __init__(self, corpus: TokenizedCorpus, # token ids of every row
+                 targets: torch.Tensor, # [N_corpus, O] targets by row id
+                 rows: Sequence[int], # the held-out rows read
+                 texts: Sequence[str], # the captions of every row (the queries of the query-set check)
+                 batch_size: int = 256):
         self.corpus, self.targets, self.rows, self.batch_size = corpus, targets, np.asarray(rows), batch_size
-        self.device = device
+        if len(texts) != len(corpus): raise ValueError(f"{len(texts)} texts for a corpus of {len(corpus)} rows: pass every row's caption")
+        self.texts = [texts[int(r)] for r in self.rows]
     def embed(self, model) -> torch.Tensor:
         "The student's sentence vectors of the held-out rows (the harness's own embedding loop)."
         from captionbert.benchmark import pooled_outputs
         return pooled_outputs(model, [self.corpus[int(r)] for r in self.rows], self.batch_size)
+    def query_set(self, s: torch.Tensor) -> dict:
+        "The query-set report of the held-out captions under the student's vectors, and its verdict (LAWS.md law 2)."
+        rep = query_set_report(self.texts, s)
+        try: rep.assert_varies(); verdict = "varies"
+        except GuardError as e: verdict = str(e)
+        return {"queryset/varies": verdict == "varies", "queryset/verdict": verdict, "queryset/unique": rep.n_unique,
+                "queryset/length_p50": rep.length_p50, "queryset/length_max": rep.length_max,
+                "queryset/effective_rank": rep.effective_rank, "queryset/mean_cosine": rep.mean_pairwise_cosine}
     def __call__(self, model, step: int) -> dict:
         s, t = self.embed(model), self.targets[self.rows]
         mim = mimicry_r1(s, t, gallery_sizes=(16, 128, 1024))
+        floor, spread = frame_gap_floor(s, t)
         return {"gauge/target_cosine": float((s * t).sum(-1).mean()), "gauge/effective_rank": effective_rank(s),
-                "gauge/self_cosine": self_cosine(s), "gauge/frame_gap": frame_gap(s, t),
-                **{f"mimicry/r1@{g}": v for g, v in mim.r1.items()}, "mimicry/flat": mim.flat, "mimicry/saturated": mim.saturated}
+                "gauge/self_cosine": self_cosine(s), "gauge/frame_gap": frame_gap(s, t), "gauge/frame_gap_floor": floor,
+                "gauge/frame_gap_floor_std": spread, "gauge/frame_fit_n_over_d": (len(s) + 1) // 2 / s.shape[1],
+                **{f"mimicry/r1@{g}": v for g, v in mim.r1.items()}, "mimicry/flat": mim.flat, "mimicry/saturated": mim.saturated,
+                **self.query_set(s)}
 
 # %% ../nbs/05_train.ipynb #c20a717b
 def resolve_targets(spec: str, # "auto", "build", "hub:<dataset>", or a targets folder
@@ -332,30 +429,29 @@ def caption_source(targets):
     return src
 
 # %% ../nbs/05_train.ipynb #2b6493a5
-def resolve_preset(preset: str) -> str:
-    "'auto' -> smoke under the tests, v2 on CUDA, cpu otherwise; anything else is returned unchanged."
-    if preset != "auto": return preset
-    return "smoke" if os.environ.get("IN_TEST") else "v2" if torch.cuda.is_available() else "cpu"
-
 @dataclasses.dataclass
 class ConsensusRun:
     "A finished (or stopped) consensus training run and what it was made from."
     preset: str; seed: int; cfg: TrainConfig; run: RunDir; model: torch.nn.Module; targets: object
     corpus: TokenizedCorpus; train_rows: np.ndarray; eval_rows: np.ndarray; result: TrainResult
+    student: Optional[dict] = None       # the harness results of the exported student (or the record of a skipped scoring)
 
 def run_consensus_training(seed: int = 0, # the run's seed
-                           preset: str = "auto", # auto, smoke, cpu, v2, v2b
+                           preset: str = "auto", # auto, smoke, cpu, published, v2, v2b
                            run_dir=None, # None: runs/05_train-<preset>-seed<seed>
                            targets: str = "auto", # auto, build, hub:<dataset>, or a targets folder
                            max_steps: Optional[int] = None, # override the preset's steps
                            device=None, resume: bool = True, progress: bool = True,
-                           data_fraction: float = 1.0 # train on the first fraction of the corpus (v2 saw 82% of v2-B's rows)
+                           data_fraction: float = 1.0, # train on the first fraction of the corpus (v2 saw 82% of v2-B's rows)
+                           allow_changes=(), # config keys a resume may change ("max_steps", ...), or True for any
+                           tasks: Optional[Sequence[str]] = None, # score the exported student on these harness tasks when done
+                           sts_dir=None # STS folder for `tasks` (None: CAPTIONBERT_STS_DIR, the development copy, else the hub)
                           ) -> ConsensusRun:
-    "Targets -> tokenized captions -> student -> the one training loop; returns the run and the trained model."
-    from captionbert.core import code_version, sha256_bytes
+    "Targets -> tokenized captions -> student -> the one training loop (-> the harness); returns the run and the trained model."
+    from captionbert.core import code_version, resolve_preset, sha256_bytes
     from captionbert.data import load_tokenizer, runs_dir, stratified_sample
     from captionbert.encoder import CaptionEncoder, EncoderConfig, n_params
-    preset = resolve_preset(preset)
+    preset = TrainConfig.canonical(resolve_preset(preset, TrainConfig.PRESETS, published="v2", section="05_train"))
     cfg = TrainConfig.preset(preset, **({"max_steps": int(max_steps)} if max_steps else {}))
     run_path = Path(run_dir) if run_dir else runs_dir(f"05_train-{preset}-seed{seed}")
     rank, world = _world()
@@ -363,7 +459,8 @@ def run_consensus_training(seed: int = 0, # the run's seed
     declared = json.loads((run_path / "config.json").read_text())["frame"] if (run_path / "config.json").exists() else None
     tg = resolve_targets(targets, cfg, run_path, expect_frame=declared, device=dev)
     set_seed(seed)
-    corpus = TokenizedCorpus.from_texts(load_tokenizer(), list(caption_source(tg)), cfg.max_tokens)
+    texts = list(caption_source(tg))
+    corpus = TokenizedCorpus.from_texts(load_tokenizer(), texts, cfg.max_tokens)
     eval_rows = stratified_sample(corpus.lengths, cfg.eval_rows, seed=seed + 101)
     train_rows = np.setdiff1d(tg.row_ids.numpy(), eval_rows)
     if not 0 < data_fraction <= 1: raise ValueError(f"data_fraction must be in (0, 1], got {data_fraction}")
@@ -374,28 +471,113 @@ def run_consensus_training(seed: int = 0, # the run's seed
     corpus_id = {"source_fingerprint": tg.source_fingerprint, "frame": tg.frame, "train_rows": int(len(train_rows)), "data_fraction": data_fraction,
                  "train_rows_sha256": sha256_bytes(train_rows.astype(np.int64).tobytes())}
     run = RunDir(run_path)
-    if rank == 0:
-        run.write_config({"preset": preset, "seed": seed, "train": cfg, "encoder": enc_cfg, "targets": str(tg.folder), "frame": tg.frame,
-                          "corpus": corpus_id, "device": str(dev), "precision": pick_precision(dev, cfg.precision),
-                          "params": n_params(model), "world_size": world, "code_version": code_version()})
+    config = {"preset": preset, "seed": seed, "encoder": enc_cfg, "targets": str(tg.folder), "frame": tg.frame,
+              "corpus": corpus_id, "device": str(dev), "precision": pick_precision(dev, cfg.precision),
+              "params": n_params(model), "world_size": world, "code_version": code_version()}
     plan = BatchPlan(corpus, train_rows, cfg.batch_size, seed=seed, pool=cfg.pool)
     if progress and rank == 0:
         print(f"[{preset}] student {model} ({enc_cfg.layers}x{enc_cfg.hidden}, out {enc_cfg.out_dim}); {len(train_rows)} training rows "
               f"({plan.batches_per_epoch} batches of {cfg.batch_size} an epoch, {cfg.max_steps / plan.batches_per_epoch:.1f} epochs), "
               f"{len(eval_rows)} held-out rows for the gauges; run directory {run.path}")
     result = train(model, plan, ConsensusLoss(full, cfg.temperature, cfg.mse_weight), cfg, run, corpus_id,
-                   ConsensusGauges(corpus, full, eval_rows), resume=resume, device=dev, progress=progress)
-    return ConsensusRun(preset, seed, cfg, run, model, tg, corpus, train_rows, eval_rows, result)
+                   ConsensusGauges(corpus, full, eval_rows, texts), resume=resume, device=dev, progress=progress,
+                   config=config, allow_changes=allow_changes)
+    job = ConsensusRun(preset, seed, cfg, run, model, tg, corpus, train_rows, eval_rows, result)
+    if tasks and result.completed and rank == 0: job.student = score_student(job, tasks, sts_dir, device=dev)
+    return job
+
+# %% ../nbs/05_train.ipynb #f4e26002
+def export_student(job: ConsensusRun) -> Path:
+    "The run's final weights as a Hugging Face folder, `<run>/export`."
+    from safetensors.torch import load_file
+    from captionbert.data import load_tokenizer
+    from captionbert.encoder import CaptionEncoder
+    from captionbert.hf import export_pretrained
+    final = CaptionEncoder(_unwrap(job.model).config)
+    final.load_state_dict(load_file(str(job.run.path / "checkpoints" / "final.safetensors")))
+    return export_pretrained(final, load_tokenizer(), job.run.path / "export")
+
+def score_student(job: ConsensusRun, # a completed run
+                  tasks: Sequence[str], # harness tasks
+                  sts_dir=None, # STS folder (None: CAPTIONBERT_STS_DIR, the development copy, else the hub)
+                  device=None) -> dict:
+    "Export the run's student and score it on the harness; without STS data, record the skip and why. Writes results/student.json."
+    from captionbert.benchmark import StudentEncoder, evaluate, sts_unavailable
+    from captionbert.core import code_version
+    from captionbert.encoder import n_params
+    folder = export_student(job)
+    name = f"student {job.preset} seed{job.seed}"
+    extra = {"preset": job.preset, "run": str(job.run.path), "params": n_params(_unwrap(job.model)), "export": str(folder)}
+    why = sts_unavailable(list(tasks), sts_dir)
+    if why is None:
+        res = evaluate(StudentEncoder.from_folder(folder, name=name, device=device), list(tasks), sts_dir=sts_dir, seed=job.seed, extra=extra)
+    else:
+        res = {"model": name, "scores": {}, "mean": None, "tasks": list(tasks), "skipped": f"STS scoring skipped: {why}",
+               "seed": job.seed, "code_version": code_version(), **extra}
+        print(f"[{job.preset}] {res['skipped']}")
+    job.run.write_json("results/student.json", res)
+    return res
+
+def scoring_code_version() -> str:
+    "A hash of the code that turns a model into harness scores (harness, teachers, gauges sources) and of torch/transformers."
+    import inspect, transformers
+    from captionbert import benchmark, gauges, teachers
+    from captionbert.core import sha256_bytes
+    src = "".join(inspect.getsource(m) for m in (benchmark, teachers, gauges))
+    return sha256_bytes(f"torch {torch.__version__}|transformers {transformers.__version__}|{src}".encode())[:16]
+
+def _source_identity(source: str) -> object:
+    "A local model folder named by its files (name, size, mtime); a hub id by itself."
+    p = Path(source)
+    if not p.is_dir(): return source
+    return [source] + sorted([str(f.relative_to(p)), f.stat().st_size, f.stat().st_mtime_ns] for f in p.rglob("*") if f.is_file())
+
+def teacher_cache_key(specs, # the roster (TeacherSpec)
+                      tasks: Sequence[str], # harness tasks
+                      sts_dir=None, # as for load_sts_task
+                      device: str = "cpu", # device type the numbers come from
+                      precision: str = "fp32" # fp32 / bf16 / fp16
+                     ) -> str:
+    "The cache key of a roster's harness results: every task's data sha256, the specs, device, precision, scoring code."
+    from captionbert.benchmark import load_sts_task
+    from captionbert.core import sha256_bytes
+    geo = "stsb" if "stsb" in tasks else "stsb_dev" if "stsb_dev" in tasks else "stsb"      # the harness's geometry sentences
+    data = {t: load_sts_task(t, sts_dir).sha256 for t in dict.fromkeys([*tasks, geo])}
+    return sha256_bytes(json.dumps({"tasks": list(tasks), "data": data, "teachers": [dataclasses.asdict(s) for s in specs],
+                                    "sources": [_source_identity(s.source) for s in specs], "device": device, "precision": precision,
+                                    "code": scoring_code_version()}, sort_keys=True).encode())[:16]
+
+def score_teachers(specs, # the roster (TeacherSpec), e.g. the one the targets were built from
+                   tasks: Sequence[str], # harness tasks
+                   sts_dir=None, device=None, precision: Optional[str] = None,
+                   cache_folder=None # where cached results live (None: the harness cache folder)
+                  ) -> list[dict]:
+    "Harness results of every teacher view, cached under `teacher_cache_key`."
+    from captionbert.benchmark import evaluate_views
+    from captionbert.core import atomic_write_json
+    from captionbert.data import cache_dir
+    from captionbert.teachers import load_teachers
+    dev = pick_device(device) if not isinstance(device, torch.device) else device
+    prec = pick_precision(dev, precision)
+    key = teacher_cache_key(specs, tasks, sts_dir, dev.type, prec)
+    path = Path(cache_folder or cache_dir("harness")) / f"teachers-{key}.json"
+    if path.exists(): return json.loads(path.read_text())
+    res = [r for g in load_teachers(list(specs), device=dev, precision=prec) for r in evaluate_views(g, list(tasks), sts_dir=sts_dir)]
+    atomic_write_json(path, res)
+    return res
 
 # %% ../nbs/05_train.ipynb #8a73917d
 def main(argv: Optional[Sequence[str]] = None):
-    "Command-line entry point (torchrun-aware): train a student on consensus targets and export it."
+    "Command-line entry point (torchrun-aware): train a student on consensus targets, export it, and optionally score it."
     import argparse
+    from captionbert.benchmark import TASK_NAMES
     ap = argparse.ArgumentParser(prog="python -m captionbert.train", description="Consensus distillation of a CaptionBERT student.")
     ap.add_argument("--seed", type=int, default=0); ap.add_argument("--preset", default="auto")
     ap.add_argument("--run-dir", default=None); ap.add_argument("--targets", default="auto")
     ap.add_argument("--max-steps", type=int, default=None); ap.add_argument("--device", default=None)
     ap.add_argument("--no-resume", action="store_true")
+    ap.add_argument("--allow-changes", default="", help="comma-separated config keys a resume may change (e.g. max_steps)")
+    ap.add_argument("--tasks", default="", help="score the export on these harness tasks when done: 'all' or a comma list")
     a = ap.parse_args(argv)
     device = a.device
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
@@ -403,11 +585,11 @@ def main(argv: Optional[Sequence[str]] = None):
         dist.init_process_group("nccl" if cuda else "gloo")
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0))); device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    r = run_consensus_training(a.seed, a.preset, a.run_dir, a.targets, a.max_steps, device, resume=not a.no_resume)
+    tasks = list(TASK_NAMES) if a.tasks == "all" else [t for t in a.tasks.split(",") if t]
+    r = run_consensus_training(a.seed, a.preset, a.run_dir, a.targets, a.max_steps, device, resume=not a.no_resume,
+                               allow_changes={k for k in a.allow_changes.split(",") if k}, tasks=tasks or None)
     if _world()[0] == 0 and r.result.completed:
-        from captionbert.data import load_tokenizer
-        from captionbert.hf import export_pretrained
-        folder = export_pretrained(r.model, load_tokenizer(), r.run.path / "export")
+        folder = export_student(r) if not tasks else r.run.path / "export"
         print(f"{r.result}\nexported to {folder}\nrun directory: {r.run.path}")
     if dist.is_initialized(): dist.destroy_process_group()
     return r

@@ -1,27 +1,92 @@
-"""The main job's path: papermill injects parameters into 05_train (so `-p seed 1` is not silently ignored)."""
+"""The main job's path: papermill injects parameters into 05_train (so `-p seed 1` is not silently ignored), and the job
+runs to the end with or without STS data (a fresh clone has none: the harness steps then say why they were skipped)."""
 import json
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+FAST = ["stsb", "biosses"]                       # the tasks the smoke preset scores
+
+
+def _papermill(tmp_path, seed):
+    "Run 05_train at smoke size into tmp_path/run; returns the run directory and the executed notebook."
+    papermill = pytest.importorskip("papermill")
+    run_dir, out = tmp_path / "run", tmp_path / "out.ipynb"
+    papermill.execute_notebook(str(ROOT / "nbs" / "05_train.ipynb"), str(out), cwd=str(ROOT / "nbs"),
+                               parameters={"seed": seed, "preset": "smoke", "run_dir": str(run_dir), "targets": "build"},
+                               kernel_name="python3", progress_bar=False)
+    return run_dir, json.loads(out.read_text())
+
+
+def _printed(nb) -> str:
+    return "".join("".join(o.get("text", "")) for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", []))
+
+
+def _assert_skip_recorded(student):
+    "A skipped scoring: no scores, no mean, and a reason that names what to set."
+    assert student["scores"] == {} and student["mean"] is None, student
+    assert "STS scoring skipped" in student["skipped"] and ("CAPTIONBERT_STS_DIR" in student["skipped"] or "hub" in student["skipped"])
 
 
 def test_papermill_parameters_reach_the_run(tmp_path):
-    papermill = pytest.importorskip("papermill")
-    run_dir = tmp_path / "run"
-    papermill.execute_notebook(str(ROOT / "nbs" / "05_train.ipynb"), str(tmp_path / "out.ipynb"), cwd=str(ROOT / "nbs"),
-                               parameters={"seed": 3, "preset": "smoke", "run_dir": str(run_dir), "targets": "build"},
-                               kernel_name="python3", progress_bar=False)
+    "Whatever STS data this machine has: the parameters reach the run, and the student is scored or the skip is recorded."
+    from captionbert.benchmark import sts_unavailable
+    run_dir, nb = _papermill(tmp_path, seed=3)
     cfg = json.loads((run_dir / "config.json").read_text())
     assert cfg["seed"] == 3 and cfg["preset"] == "smoke"
     assert (run_dir / "checkpoints" / "final.safetensors").exists() and (run_dir / "export" / "config.json").exists()
     student = json.loads((run_dir / "results" / "student.json").read_text())
-    assert student["seed"] == 3 and set(student["scores"]) == {"stsb", "biosses"}
+    assert student["seed"] == 3
+    if sts_unavailable(FAST) is None:
+        assert set(student["scores"]) == set(FAST) and "skipped" not in student
+        assert (run_dir / "results" / "teachers.json").exists()
+    else:
+        _assert_skip_recorded(student)
+    assert f"run directory: {run_dir}" in _printed(nb)
+
+
+def test_papermill_runs_to_the_end_without_sts(tmp_path, monkeypatch):
+    "No STS data anywhere (CAPTIONBERT_STS_DIR at an empty folder): the job trains, exports, records why it did not score, ends."
+    empty = tmp_path / "no-sts"; empty.mkdir()
+    monkeypatch.setenv("CAPTIONBERT_STS_DIR", str(empty))           # the kernel inherits it
+    run_dir, nb = _papermill(tmp_path, seed=1)
+    assert (run_dir / "checkpoints" / "final.safetensors").exists() and (run_dir / "export" / "config.json").exists()
+    student = json.loads((run_dir / "results" / "student.json").read_text())
+    _assert_skip_recorded(student)
+    assert str(empty / "stsb.tsv") in student["skipped"] and "CAPTIONBERT_STS_DIR" in student["skipped"]
+    assert not (run_dir / "results" / "teachers.json").exists()
+    printed = _printed(nb)
+    assert "the harness steps (student scores, teacher rows) are skipped" in printed and "CAPTIONBERT_STS_DIR" in printed
+    assert f"run directory: {run_dir}" in printed
+
+
+def test_library_run_without_sts_then_a_changed_resume(tmp_path):
+    "run_consensus_training records a skipped scoring instead of failing; a resume that changes the run is refused unless allowed."
+    from captionbert.core import GuardError
+    from captionbert.train import RESUME_LOG, run_consensus_training
+    empty = tmp_path / "no-sts"; empty.mkdir()
+    run_dir = tmp_path / "run"
+    first = run_consensus_training(seed=0, preset="smoke", run_dir=run_dir, targets="build", max_steps=4, progress=False,
+                                   tasks=FAST, sts_dir=empty)
+    assert first.result.completed and first.student is not None
+    _assert_skip_recorded(json.loads((run_dir / "results" / "student.json").read_text()))
+    assert (run_dir / "export" / "config.json").exists()
+    original = (run_dir / "config.json").read_text()
+    before = (run_dir / "metrics.jsonl").read_text()
+    with pytest.raises(GuardError, match=r"train\.max_steps: 4 -> 6"):
+        run_consensus_training(seed=0, preset="smoke", run_dir=run_dir, targets="build", max_steps=6, progress=False)
+    assert (run_dir / "metrics.jsonl").read_text() == before and not (run_dir / RESUME_LOG).exists()
+    again = run_consensus_training(seed=0, preset="smoke", run_dir=run_dir, targets="build", max_steps=6, progress=False,
+                                   allow_changes={"max_steps"})
+    assert (again.result.start_step, again.result.end_step, again.result.completed) == (4, 6, True)
+    assert (run_dir / "config.json").read_text() == original
+    log = [json.loads(line) for line in (run_dir / RESUME_LOG).read_text().splitlines()]
+    assert len(log) == 1 and log[0]["changed"]["train.max_steps"] == [4, 6] and log[0]["from_step"] == 4
 
 
 def test_run_refuses_targets_of_another_frame(tmp_path):
-    "A run directory that declares a frame refuses targets from any other (law 17), before training a single step."
+    "A run directory that declares a frame refuses targets from any other (LAWS.md law 17), before training a single step."
     import shutil
     from captionbert.core import GuardError
     from captionbert.train import run_consensus_training
