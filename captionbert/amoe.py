@@ -112,7 +112,7 @@ def check_backbone(library: ArmLibrary, # the arms
                    backbone: nn.Module, # the backbone they are about to sit on
                    allow_foreign: bool = False # measure a transplant: warn instead of refusing
                   ) -> str:
-    "Law 15 where arms meet a backbone: refuse one other than the library's own unless allowed (then warn); binds an unbound library."
+    "LAWS.md law 15 where arms meet a backbone: refuse one other than the library's own unless allowed (then warn); binds an unbound library."
     fp = backbone_fingerprint(backbone)
     if not library.backbone_fingerprint: library.backbone_fingerprint = fp          # fresh arms: bound to the first backbone they meet
     elif library.backbone_fingerprint != fp:

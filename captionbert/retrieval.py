@@ -127,7 +127,7 @@ def evaluate_retrieval(encoder: Encoder, # the model (the harness's protocol: en
     if not torch.isfinite(emb).all():
         bad = [texts[i] for i in (~torch.isfinite(emb)).any(1).nonzero().flatten()[:3].tolist()]
         raise ValueError(f"{encoder.name} produced NaN/inf embeddings, e.g. for {bad!r}")
-    qs = query_set_report(texts, emb).assert_varies()                              # law 2: no number on a set that does not vary
+    qs = query_set_report(texts, emb).assert_varies()                              # LAWS.md law 2: no number on a set that does not vary
     m = retrieval_metrics(emb, images, ks=ks)
     names = [f"r@{k}" for k in ks] + ["map"]
     return {"model": encoder.name, "task": task, "split": split, "scores": {task: m[RETRIEVAL_MAIN]},
