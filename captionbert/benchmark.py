@@ -23,10 +23,10 @@ from .data import collate, load_tokenizer, sorted_batches
 from .encoder import CaptionEncoder
 
 # %% auto #0
-__all__ = ['STS_TASKS', 'TASK_NAMES', 'DEV_TASKS', 'StsTask', 'StsData', 'read_sts_tsv', 'load_sts_task', 'sts_unavailable',
-           'Encoder', 'HFEncoder', 'StudentEncoder', 'pooled_outputs', 'minilm_encoder', 'load_encoder', 'evaluate',
-           'evaluate_views', 'save_results', 'load_results', 'published_results', 'results_table', 'results_figure',
-           'main']
+__all__ = ['STS_TASKS', 'TASK_NAMES', 'DEV_TASKS', 'NAMED_MODELS', 'StsTask', 'StsData', 'read_sts_tsv', 'load_sts_task',
+           'sts_unavailable', 'Encoder', 'HFEncoder', 'StudentEncoder', 'pooled_outputs', 'minilm_encoder',
+           'teacher_encoder', 'load_encoder', 'evaluate', 'evaluate_views', 'save_results', 'load_results',
+           'published_results', 'results_table', 'results_figure', 'main']
 
 # %% ../nbs/02_benchmark.ipynb #60fc387a
 @dataclasses.dataclass(frozen=True)
@@ -137,14 +137,18 @@ class Encoder(Protocol):
     def encode(self, texts: list[str]) -> torch.Tensor: ...   # [N, D], rows L2-normalized
 
 class HFEncoder:
-    "Any Hugging Face encoder, mean-pooled over the attention mask and L2-normalized."
-    def __init__(self, source: str, # hub id or local folder
+    "Any teacher source (a Hugging Face encoder, a converted ONNX graph, static word vectors), mean-pooled and L2-normalized."
+    def __init__(self, source: str, # hub id, local folder, .onnx BERT graph, or a static family's folder (see TeacherSpec)
                  name: str | None = None, # name in results (default: the source)
                  max_length: int = 512, # truncation in the model's tokens
                  batch_size: int = 64, # rows per forward pass
-                 device=None, precision: str | None = None):
+                 device=None, precision: str | None = None,
+                 family: str = "auto", # a transformers family ("auto": any), or a static one such as "glove"
+                 layer: int | None = None # hidden_states index to mean-pool; None = last layer
+                ):
         self.name = name or source
-        self.group = TeacherGroup([TeacherSpec(self.name, source, "auto", max_length=max_length)], device=device, precision=precision)
+        spec = TeacherSpec(self.name, source, family, layer=layer, max_length=max_length)
+        self.group = TeacherGroup([spec], device=device, precision=precision)
         self.batch_size = batch_size
         self.n_params = sum(p.numel() for p in self.group.model.parameters())
     def __repr__(self): return f"HFEncoder({self.name}, {self.n_params/1e6:.1f}M params)"
@@ -191,9 +195,33 @@ def minilm_encoder(**kw) -> HFEncoder:
     "The bundled all-MiniLM-L6-v2 (mean-pooled, normalized, 256-token limit), the supervised reference row."
     return HFEncoder(str(bundled_minilm_path()), name="all-MiniLM-L6-v2", max_length=256, **kw)
 
+def teacher_encoder(spec: TeacherSpec, # a teacher view
+                    name: str | None = None, # name in results (default: the spec's)
+                    **kw) -> HFEncoder:
+    "A teacher view behind the Encoder protocol, at its own truncation unless `max_length` is given."
+    kw.setdefault("max_length", spec.max_length)
+    return HFEncoder(spec.source, name=name or spec.name, family=spec.family, layer=spec.layer, **kw)
+
+def _paraphrase_l3():
+    from captionbert.teachers import paraphrase_teachers
+    return paraphrase_teachers((3,))[0]
+
+def _glove_50d():
+    from captionbert.teachers import glove_teacher
+    return glove_teacher()
+
+NAMED_MODELS = {   # --model name -> (name in results, the teacher spec); both need the teachers extra
+    "paraphrase-minilm-l3": ("paraphrase-MiniLM-L3-v2", _paraphrase_l3),
+    "glove-50d": ("GloVe-6B-50d", _glove_50d),
+}
+
 def load_encoder(model: str, **kw) -> Encoder:
-    "'minilm' for the bundled reference; a captionbert export folder (loaded natively); else a hub id or HF model folder."
+    "'minilm' (bundled reference), a name of NAMED_MODELS, a captionbert export folder (loaded natively), else a hub id or HF folder."
     if model.lower() in ("minilm", "all-minilm-l6-v2"): return minilm_encoder(**kw)
+    key = {"paraphrase-minilm-l3-v2": "paraphrase-minilm-l3"}.get(model.lower(), model.lower())
+    if key in NAMED_MODELS:
+        name, spec = NAMED_MODELS[key]
+        return teacher_encoder(spec(), name=name, **kw)
     cfg = Path(model) / "config.json"
     if cfg.exists() and json.loads(cfg.read_text()).get("model_type") == "captionbert":
         kw.pop("max_length", None); kw.pop("precision", None)
@@ -322,14 +350,15 @@ def results_figure(results: Sequence[dict], title: str = "STS, Spearman of cosin
 def main(argv: Sequence[str] | None = None):
     "Command-line entry point of the harness."
     ap = argparse.ArgumentParser(prog="python -m captionbert.benchmark", description="Score an encoder on the eight STS tasks.")
-    ap.add_argument("--model", required=True, help="'minilm' (bundled all-MiniLM-L6-v2), a hub id, or a local model folder")
+    ap.add_argument("--model", required=True, help="'minilm' (bundled all-MiniLM-L6-v2), "
+                    f"{', '.join(repr(k) for k in NAMED_MODELS)} (the teachers extra), a hub id, or a local model folder")
     ap.add_argument("--tasks", nargs="+", default=list(TASK_NAMES), choices=list(TASK_NAMES + DEV_TASKS), metavar="TASK",
                     help=f"default: all of {' '.join(TASK_NAMES)}; {' '.join(DEV_TASKS)} is the dev split (outside the mean)")
     ap.add_argument("--sts-dir", default=None, help=f"folder of <task>.tsv files (default: ${STS_DIR_VAR}, else the hub)")
     ap.add_argument("--out", default=None, help="write the results JSON here")
     ap.add_argument("--compare", nargs="*", default=[], help="earlier results JSON files to show as extra rows")
     ap.add_argument("--published", action="store_true", help="also show the program's published rows")
-    ap.add_argument("--max-length", type=int, default=None, help="truncation in the model's tokens (default 512; 256 for minilm)")
+    ap.add_argument("--max-length", type=int, default=None, help="truncation in the model's tokens (default 512; 256 for minilm, 128 for paraphrase-minilm-l3)")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--device", default=None)
     a = ap.parse_args(argv)
