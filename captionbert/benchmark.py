@@ -23,10 +23,10 @@ from .data import collate, load_tokenizer, sorted_batches
 from .encoder import CaptionEncoder
 
 # %% auto #0
-__all__ = ['STS_TASKS', 'TASK_NAMES', 'DEV_TASKS', 'NAMED_MODELS', 'StsTask', 'StsData', 'read_sts_tsv', 'load_sts_task',
-           'sts_unavailable', 'Encoder', 'HFEncoder', 'StudentEncoder', 'pooled_outputs', 'minilm_encoder',
-           'teacher_encoder', 'load_encoder', 'evaluate', 'evaluate_views', 'save_results', 'load_results',
-           'published_results', 'results_table', 'results_figure', 'main']
+__all__ = ['STS_TASKS', 'TASK_NAMES', 'FAST_TASKS', 'DEV_TASKS', 'NAMED_MODELS', 'StsTask', 'StsData', 'read_sts_tsv',
+           'load_sts_task', 'sts_unavailable', 'Encoder', 'HFEncoder', 'StudentEncoder', 'pooled_outputs',
+           'minilm_encoder', 'teacher_encoder', 'load_encoder', 'evaluate', 'evaluate_views', 'save_results',
+           'load_results', 'published_results', 'results_table', 'results_figure', 'main']
 
 # %% ../nbs/02_benchmark.ipynb #60fc387a
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +52,7 @@ STS_TASKS = {t.name: t for t in (
     StsTask("stsb_dev", "mteb/stsbenchmark-sts", "b0fddb56ed78048fa8b90373c8a3cfc37b684831", split="validation"),
 )}
 TASK_NAMES = ("stsb", "sickr", "sts12", "sts13", "sts14", "sts15", "sts16", "biosses")   # the eight test sets: the mean
+FAST_TASKS = ("stsb", "biosses")   # the fast subset: what the smoke size scores (STS-B for geometry, BIOSSES is the smallest)
 DEV_TASKS = ("stsb_dev",)     # STS-B validation: what every selection is made on; never in the mean
 
 # %% ../nbs/02_benchmark.ipynb #2037183a
@@ -327,11 +328,11 @@ def results_table(results: Sequence[dict]) -> str:
     "A fixed-width table of several results, one row per model."
     cols = [t for t in TASK_NAMES + DEV_TASKS if any(t in r["scores"] for r in results)]
     w = max(12, *(len(r["model"]) for r in results)) + 1
-    head = f"{'model':<{w}}" + "".join(f"{c:>8}" for c in cols) + f"{'mean':>8}{'erank':>8}{'selfcos':>9}"
+    head = f"{'model':<{w}}" + "".join(f"{c:>9}" for c in cols) + f"{'mean':>8}{'erank':>8}{'selfcos':>9}"
     lines = [head, "-" * len(head)] + ([f"(dev tasks {', '.join(c for c in cols if c in DEV_TASKS)} are for selection and stand outside the mean)"]
                                        if any(c in DEV_TASKS for c in cols) else [])
     for r in results:
-        cells = "".join(f"{r['scores'][c]:>8.4f}" if c in r["scores"] else f"{'':>8}" for c in cols)
+        cells = "".join(f"{r['scores'][c]:>9.4f}" if c in r["scores"] else f"{'':>9}" for c in cols)
         geo = r.get("geometry", {})
         er = f"{geo['effective_rank']:>8.1f}" if "effective_rank" in geo else f"{'':>8}"
         sc = f"{geo['self_cosine']:>+9.4f}" if "self_cosine" in geo else f"{'':>9}"
@@ -361,11 +362,17 @@ def main(argv: Sequence[str] | None = None):
     ap.add_argument("--max-length", type=int, default=None, help="truncation in the model's tokens (default 512; 256 for minilm, 128 for paraphrase-minilm-l3)")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--retrieval", action="store_true", help="also score Flickr8k caption-to-caption retrieval on the test images "
+                    "(02a_retrieval; outside the STS mean; needs CAPTIONBERT_FLICKR_IMAGES or the development copy)")
     a = ap.parse_args(argv)
     kw = {"batch_size": a.batch_size, "device": a.device}
     if a.max_length: kw["max_length"] = a.max_length
     enc = load_encoder(a.model, **kw)
     res = evaluate(enc, a.tasks, sts_dir=a.sts_dir, extra={"params": getattr(enc, "n_params", None)})
+    if a.retrieval:
+        from captionbert.retrieval import evaluate_retrieval, retrieval_table   # retrieval builds on this module
+        res["retrieval"] = evaluate_retrieval(enc, split="test", progress=False)
+        print(retrieval_table([res["retrieval"]]))
     if a.out: print(f"results written to {save_results(res, a.out)}")
     rows = [res] + [load_results(p) for p in a.compare] + (published_results() if a.published else [])
     print(results_table(rows))

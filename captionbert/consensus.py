@@ -6,7 +6,7 @@ member's frame — written as sharded safetensors that carry the frame they live
 # %% ../nbs/04_consensus.ipynb #2e3f43d3
 from __future__ import annotations
 
-import dataclasses, inspect, json, time
+import dataclasses, json, time
 from pathlib import Path
 
 import numpy as np
@@ -18,10 +18,11 @@ from tqdm.auto import tqdm
 
 from . import alignment as _alignment
 from .alignment import AlignmentConfig, AlignmentMap, RowEmbeddings, fit_roster, frame_fingerprint, split_rows
-from .core import GuardError, atomic_path, atomic_write_json, folder_lock, sha256_bytes, sha256_file, to_jsonable
+from .core import (GuardError, atomic_path, atomic_write_json, folder_lock, pick_device, pick_precision, sha256_bytes,
+                              sha256_file, stage_hash, to_jsonable)
 from .data import load_tokenizer, stratified_sample, tokenize
 from .gauges import effective_rank
-from .teachers import EmbeddingStore, TeacherGroup, embed_cached, reference_member, roster
+from .teachers import EmbeddingStore, TeacherGroup, embed_cache_key, embed_cached, reference_member, roster
 
 # %% auto #0
 __all__ = ['consensus', 'write_targets', 'ConsensusTargets', 'load_targets', 'target_geometry', 'ShiftReport',
@@ -202,19 +203,21 @@ def embeddings_fingerprint(store: EmbeddingStore # a teacher-embedding store
                                     "shards": {k: s["sha256"] for k, s in sorted(m["shards"].items())}}, sort_keys=True).encode())[:16]
 
 def stage_version() -> str:
-    "A hash of the source of every function that decides the targets: row sampling, the fit, the centroid, the writer."
-    fns = (tokenize, stratified_sample, split_rows, AlignmentConfig.fit_rows_for, RowEmbeddings.load, RowEmbeddings.take,
-           _alignment._whiten_colour, _alignment.fit_alignment, _alignment.identity_map, fit_roster,
-           AlignmentMap.__post_init__, AlignmentMap.apply, consensus, write_targets, target_geometry, _build_consensus)
-    return sha256_bytes("\n".join(inspect.getsource(f) for f in fns).encode())[:16]
+    "core.stage_hash of every function that decides the targets (row sampling, the fit, the centroid, the writer) and torch/numpy."
+    return stage_hash(tokenize, stratified_sample, split_rows, AlignmentConfig.fit_rows_for, RowEmbeddings.load, RowEmbeddings.take,
+                      _alignment._whiten_colour, _alignment.fit_alignment, _alignment.identity_map, fit_roster,
+                      AlignmentMap.__post_init__, AlignmentMap.apply, consensus, write_targets, target_geometry, _build_consensus,
+                      libs=("torch", "numpy"))
 
 def consensus_key(cfg: AlignmentConfig, # the preset
                   source, # its caption source (cfg.caption_source())
-                  store: EmbeddingStore # the teachers' embeddings of that source
+                  device: str, # device type the teacher embeddings come from ("cpu", "cuda", "mps")
+                  precision: str # their precision (fp32 / bf16 / fp16)
                  ) -> dict:
-    "Everything that changes build_consensus's targets: config, captions, teacher embeddings, stage code, numeric libraries."
-    return {"config": to_jsonable(cfg), "source_fingerprint": source.fingerprint, "embeddings": embeddings_fingerprint(store),
-            "stage_version": stage_version(), "torch": torch.__version__, "numpy": np.__version__}
+    "Everything that changes build_consensus's targets — config, captions, the embedding store's cache key, stage code — known before embedding."
+    return {"config": to_jsonable(cfg), "source_fingerprint": source.fingerprint,
+            "embeddings": embed_cache_key(source, roster(cfg.roster), None, cfg.shard_size, device, precision),
+            "stage_version": stage_version()}
 
 def _key_changes(old: dict | None, new: dict) -> list[str]:
     "What differs between a recorded consensus key and the current one, each change named."
@@ -232,20 +235,22 @@ def build_consensus(cfg: AlignmentConfig, # the preset (see AlignmentConfig)
                     device=None, progress: bool = True) -> ConsensusTargets:
     "Captions -> teacher embeddings -> alignment maps -> consensus targets; reuses a folder only when its consensus_key matches."
     source = cfg.caption_source(verbose=progress)
-    t0 = time.time()
-    store = embed_cached(source, roster(cfg.roster), batch_size=cfg.batch_size, shard_size=cfg.shard_size, device=device, progress=progress)
-    t_embed = time.time() - t0
-    key = consensus_key(cfg, source, store)
+    device = device if isinstance(device, torch.device) else pick_device(device)
+    precision = pick_precision(device)                 # what embed_cached will use: the key names the numerics of the embeddings
+    key = consensus_key(cfg, source, device.type, precision)
     with folder_lock(folder):              # concurrent builders of one folder take turns; the second finds the work done
         mpath, rebuilt_from = Path(folder) / "targets.json", None
         if mpath.exists():
             old = json.loads(mpath.read_text())
             changes = _key_changes(old.get("key"), key) + ([] if "geometry" in old else ["the previous build did not finish"])
-            if not changes: return load_targets(folder)
+            if not changes: return load_targets(folder)   # every shard's sha256 checked: cheap beside an embedding pass
             print(f"rebuilding the consensus targets in {folder}: " + "; ".join(changes))
             rebuilt_from = {"changes": changes, "frame": old.get("frame"), "fingerprint": _targets_fingerprint(old) if "shards" in old else None}
             mpath.unlink()                 # a half-rebuilt folder must never read as finished
-        return _build_consensus(cfg, folder, source, store, key, rebuilt_from, t_embed, progress)
+        t0 = time.time()
+        store = embed_cached(source, roster(cfg.roster), batch_size=cfg.batch_size, shard_size=cfg.shard_size, device=device,
+                             precision=precision, progress=progress)
+        return _build_consensus(cfg, folder, source, store, key, rebuilt_from, time.time() - t0, progress)
 
 def _build_consensus(cfg, folder, source, store, key, rebuilt_from, t_embed, progress):
     ref = reference_member(store.specs).name
@@ -257,9 +262,9 @@ def _build_consensus(cfg, folder, source, store, key, rebuilt_from, t_embed, pro
     t_fit = time.time() - t0
     t0 = time.time()
     write_targets(store, maps, folder, progress=progress,
-                  extra={"config": cfg, "key": key, "rebuilt_from": rebuilt_from, "n_over_d": len(fit_rows) / width, "eval_rows": eval_rows.tolist(),
+                  extra={"config": cfg, "captions": source.describe(), "key": key, "rebuilt_from": rebuilt_from, "n_over_d": len(fit_rows) / width, "eval_rows": eval_rows.tolist(),
                          "timings_s": {"embed": round(t_embed, 2), "fit": round(t_fit, 3)},
-                         "embeddings": str(store.folder)})
+                         "embeddings": str(store.folder), "embeddings_fingerprint": embeddings_fingerprint(store)})
     t_write = time.time() - t0
     tg = load_targets(folder)
     # what was written must be what was computed: the recorded frame is the frame of these maps, and the targets of a

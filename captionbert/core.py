@@ -15,7 +15,7 @@ import torch
 # %% auto #0
 __all__ = ['PRECISIONS', 'SIZES', 'GuardError', 'set_seed', 'pick_device', 'pick_precision', 'autocast', 'sha256_file',
            'sha256_bytes', 'atomic_path', 'atomic_write_bytes', 'to_jsonable', 'atomic_write_json', 'folder_lock',
-           'code_version', 'resolve_preset', 'RunDir']
+           'code_version', 'stage_hash', 'resolve_preset', 'RunDir']
 
 # %% ../nbs/00_core.ipynb #03855c84
 class GuardError(RuntimeError):
@@ -146,6 +146,31 @@ def code_version() -> str:
         return f"{__version__}+g{sha.stdout.strip()}" + (".dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return __version__
+
+# %% ../nbs/00_core.ipynb #ae961455
+def _lib_version(name: str) -> str:
+    "The installed version of a library (its distribution's, else its module's __version__)."
+    import importlib, importlib.metadata
+    mod = importlib.import_module(name)
+    if getattr(mod, "__version__", None): return str(mod.__version__)
+    return importlib.metadata.version(name)
+
+def stage_hash(*objs, # the functions, classes or modules that compute the stage's numbers
+               libs: tuple = ("torch", "numpy") # libraries whose versions change those numbers
+              ) -> str:
+    "16-hex hash of the source of `objs` and the versions of `libs`: the code version of one pipeline stage."
+    import inspect
+    if not objs: raise ValueError("stage_hash needs the functions that compute the stage; an empty list would name no code")
+    parts = []
+    for o in objs:
+        fn = getattr(o, "__func__", o)                      # a bound or class method: its function
+        name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', getattr(fn, '__name__', repr(fn)))}"
+        try: parts.append(f"{name}\n{inspect.getsource(fn)}")
+        except (OSError, TypeError) as e:
+            raise TypeError(f"stage_hash cannot read the source of {name} ({type(e).__name__}: {e}); pass functions, classes "
+                            "or modules defined in files") from e
+    parts += [f"{lib} {_lib_version(lib)}" for lib in libs]
+    return sha256_bytes("\n".join(parts).encode())[:16]
 
 # %% ../nbs/00_core.ipynb #263dfc51
 SIZES = ("smoke", "cpu", "published")      # the one vocabulary of run sizes

@@ -14,17 +14,17 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from .core import GuardError, sha256_bytes
+from .core import GuardError, sha256_bytes, sha256_file
 
 # %% auto #0
 __all__ = ['STS_DIR_VAR', 'CAPTIONS_VAR', 'CACHE_VAR', 'BERT_TOKENIZER_HUB', 'MAX_TOKENS', 'NOUNS', 'COLOURS', 'SIZES',
            'MATERIALS', 'RELATIONS', 'ATTRIBUTE_KINDS', 'SYNTHETIC_SPEC', 'HUB_SPEC', 'FLICKR_IMAGES_VAR',
            'FLICKR_SPLITS', 'FLICKR_HEADER', 'CAPTION_PAIR_KINDS', 'repo_root', 'find_data', 'cache_dir', 'runs_dir',
            'bundled_minilm_path', 'load_tokenizer', 'TextFileCaptions', 'resolve_hub_revision', 'HubCaptions',
-           'SceneObject', 'Scene', 'SceneGrammar', 'open_captions', 'default_captions', 'FlickrImages',
-           'read_flickr_images', 'load_flickr_images', 'flickr_unavailable', 'PairSet', 'assert_train_only',
-           'caption_pairs', 'tokenize', 'Batch', 'collate', 'sorted_batches', 'LengthBucketSampler', 'padding_report',
-           'stratified_sample']
+           'SceneObject', 'Scene', 'SceneGrammar', 'open_captions', 'reopen_captions', 'default_captions',
+           'FlickrImages', 'read_flickr_images', 'load_flickr_images', 'flickr_unavailable', 'PairSet',
+           'assert_train_only', 'caption_pairs', 'tokenize', 'Batch', 'collate', 'sorted_batches',
+           'LengthBucketSampler', 'padding_report', 'stratified_sample']
 
 # %% ../nbs/01_data.ipynb #b68a476c
 STS_DIR_VAR = "CAPTIONBERT_STS_DIR"        # folder of <task>.tsv files for the benchmark
@@ -92,7 +92,7 @@ class TextFileCaptions:
     def __init__(self, path: str | Path, # the caption file
                  limit: int | None = None # keep only the first `limit` captions
                 ):
-        self.path = Path(path)
+        self.path, self.limit = Path(path), limit
         if not self.path.exists():
             raise FileNotFoundError(f"caption file {self.path} does not exist; set {CAPTIONS_VAR} to a text file with one caption a line")
         lines = [l.strip() for l in self.path.read_text(encoding="utf-8").splitlines()]
@@ -104,6 +104,10 @@ class TextFileCaptions:
     def __getitem__(self, i): return self.captions[i]
     def __iter__(self): return iter(self.captions)
     def __repr__(self): return f"TextFileCaptions({self.name}, n={len(self)})"
+    def describe(self) -> dict:
+        "The record that reopens exactly these captions: the file's path and sha256, the limit, the content fingerprint."
+        return {"kind": "file", "path": str(self.path.resolve()), "sha256": sha256_file(self.path), "limit": self.limit,
+                "n": len(self), "fingerprint": self.fingerprint}
 
 def resolve_hub_revision(name: str, # hub dataset
                          revision: str | None = None # a branch, tag or commit; None = the default branch
@@ -128,12 +132,23 @@ class HubCaptions:
                 ):
         self.hub_name, self.column, self.split, self.revision, self.limit, self.streaming = name, column, split, revision, limit, streaming
         self.resolver, self._commit = resolver or resolve_hub_revision, None
-        self.name = f"{name}" + (f"@{revision}" if revision else "") + f":{column}" + (f"[:{limit}]" if limit else "")
     @property
     def commit(self) -> str:
         "The commit this source reads: `revision` resolved once, on first use (a network call unless a sha was pinned)."
         if self._commit is None: self._commit = self.resolver(self.hub_name, self.revision)
         return self._commit
+    @property
+    def name(self) -> str:
+        "Dataset, resolved commit (12 hex), column, split and limit: what the content is, for file names and manifests."
+        return f"{self.hub_name}@{self.commit[:12]}:{self.column}:{self.split}" + (f"[:{self.limit}]" if self.limit else "")
+    @property
+    def spec(self) -> str:
+        "The open_captions spec pinned at the resolved commit: it reopens the same rows whatever the branch does later."
+        return f"hub:{self.hub_name}@{self.commit}:{self.column}:{self.split}"
+    def describe(self) -> dict:
+        "The record that reopens exactly these captions: dataset, revision asked, commit resolved, split, column, limit."
+        return {"kind": "hub", "hub_name": self.hub_name, "revision": self.revision, "commit": self.commit, "split": self.split,
+                "column": self.column, "limit": self.limit, "spec": self.spec, "fingerprint": self.fingerprint}
     @property
     def fingerprint(self) -> str:
         "Hash of what names the content: dataset, resolved commit, split, column and limit."
@@ -147,7 +162,10 @@ class HubCaptions:
         for i, row in enumerate(ds):
             if self.limit is not None and i >= self.limit: break
             yield str(row[self.column])
-    def __repr__(self): return f"HubCaptions({self.name})"
+    def __repr__(self):
+        at = f"commit {self._commit[:12]}" if self._commit else "commit not resolved yet"
+        return (f"HubCaptions({self.hub_name}, revision={self.revision or 'default branch'}, {at}, column={self.column}, "
+                f"split={self.split}" + (f", limit={self.limit})" if self.limit else ")"))
 
 # %% ../nbs/01_data.ipynb #d11618e7
 NOUNS = ("cube", "sphere", "cylinder", "cone", "dog", "cat", "horse", "bird", "car", "bicycle", "chair", "table",
@@ -213,6 +231,10 @@ class SceneGrammar:
     def __getitem__(self, i): return self.scene(i).text
     def __iter__(self): return (self[i] for i in range(self.n))
     def __repr__(self): return f"SceneGrammar(seed={self.seed}, n={self.n})"
+    def describe(self) -> dict:
+        "The record that reopens exactly this corpus: its size, seed and shape parameters."
+        return {"kind": "synthetic", "n": self.n, "seed": self.seed, "max_objects": self.max_objects, "p_attribute": self.p_attribute,
+                "spec": f"synthetic:{self.n}", "fingerprint": self.fingerprint}
 
 # %% ../nbs/01_data.ipynb #14412c9f
 SYNTHETIC_SPEC = re.compile(r"synthetic(?::([1-9][0-9]*))?")          # the whole spec: "synthetic" or "synthetic:N"
@@ -236,6 +258,29 @@ def open_captions(spec: str | Path, # "synthetic[:N]", "hub:<dataset>[@<revision
     if not isinstance(spec, Path) and s.startswith("synthetic:") and not Path(s).exists():
         raise ValueError(f"synthetic captions are 'synthetic' or 'synthetic:N' with N a positive whole number; {s!r} is neither, nor a file")
     return TextFileCaptions(s, limit=limit)
+
+def reopen_captions(record: dict, # a source's describe() record (targets.json keeps it as "captions")
+                    fallback=None # () -> source, tried when a recorded caption file is not at its path (e.g. default_captions)
+                   ):
+    "The caption source a describe() record names — a hub source at its recorded commit — checked against its fingerprint."
+    kind = record.get("kind")
+    if kind == "synthetic":
+        src = SceneGrammar(n=record["n"], seed=record["seed"], max_objects=record["max_objects"], p_attribute=record["p_attribute"])
+        advice = "the scene grammar's code changed since; rebuild the targets"
+    elif kind == "hub":
+        src = HubCaptions(record["hub_name"], record["column"], split=record["split"], revision=record["commit"], limit=record["limit"])
+        advice = f"the rows at commit {record['commit'][:12]} are not the rows recorded; open them with the pinned spec {record['spec']!r}"
+    elif kind == "file":
+        p = Path(record["path"])
+        if p.exists(): src = TextFileCaptions(p, limit=record["limit"])
+        elif fallback is not None: src = fallback()
+        else: raise FileNotFoundError(f"the caption file {p} (sha256 {record['sha256'][:12]}…) is not there; set {CAPTIONS_VAR} to a copy of it")
+        advice = f"point {CAPTIONS_VAR} at the file with sha256 {record['sha256'][:12]}… ({p.name}, {record['n']} captions)"
+    else: raise ValueError(f"unknown caption record kind {kind!r}: one of 'file', 'hub', 'synthetic' (a describe() record)")
+    if src.fingerprint != record["fingerprint"]:
+        raise GuardError(f"the captions reopened from the record ({src!r}) are not the recorded ones (fingerprint "
+                         f"{src.fingerprint[:12]} != {record['fingerprint'][:12]}): {advice}")
+    return src
 
 def default_captions(limit: int | None = None, # keep only the first `limit` captions
                      verbose: bool = True # print which source was chosen

@@ -161,7 +161,7 @@ class QuerySetReport:
         if self.length_min == self.length_max: why.append(f"every query has {self.length_min} {self.length_unit}")
         if self.effective_rank < min_rank: why.append(f"pooled effective rank {self.effective_rank:.2f} < {min_rank}")
         if self.mean_pairwise_cosine > max_cosine: why.append(f"mean pairwise cosine {self.mean_pairwise_cosine:.4f} > {max_cosine}")
-        if why: raise GuardError("the query set does not vary (law 2): " + "; ".join(why) + ". Quote no retrieval number on it.")
+        if why: raise GuardError("the query set does not vary (LAWS.md law 2): " + "; ".join(why) + ". Quote no retrieval number on it.")
         return self
     def figure(self):
         "A plotly histogram of query lengths."

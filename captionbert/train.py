@@ -27,7 +27,7 @@ __all__ = ['RESUME_LOG', 'WHERE_KEYS', 'TrainConfig', 'lr_at', 'TokenizedCorpus'
            'latest_checkpoint', 'load_checkpoint', 'config_changes', 'check_resume_config', 'TrainResult', 'train',
            'ConsensusLoss', 'frame_gap', 'frame_gap_floor', 'mimicry_line', 'ConsensusGauges', 'resolve_targets',
            'caption_source', 'ConsensusRun', 'run_consensus_training', 'export_student', 'score_student',
-           'scoring_code_version', 'teacher_cache_key', 'score_teachers', 'main']
+           'scoring_code', 'scoring_code_version', 'teacher_cache_key', 'score_teachers', 'main']
 
 # %% ../nbs/05_train.ipynb #c11b275e
 @dataclasses.dataclass(frozen=True)
@@ -233,8 +233,9 @@ def train(model: torch.nn.Module, # the model (its parameters that require grad 
         ck = load_checkpoint(run, ck_path)
         if ck["corpus"] != to_jsonable(corpus):
             state = "a completed" if ck["completed"] else "an unfinished"
-            raise GuardError(f"{ck_path} is {state} checkpoint (step {ck['step']}) of another corpus: {ck['corpus']} != {to_jsonable(corpus)}. "
-                             "A checkpoint is never resumed into a new corpus (LAWS.md law 16); start a new run directory.")
+            diff = "; ".join(f"{k}: {str(a)[:16]} -> {str(b)[:16]}" for k, (a, b) in config_changes(ck["corpus"], to_jsonable(corpus)).items())
+            raise GuardError(f"{ck_path} is {state} checkpoint (step {ck['step']}) of another corpus — {diff}. "
+                             "A checkpoint is never resumed into a new corpus or new targets (LAWS.md law 16); start a new run directory.")
         old = ck.get("run_config") or {"train": ck["config"]}          # checkpoints before run_config carried the TrainConfig only
         changes = check_resume_config(old, run_config if "run_config" in ck else {"train": run_config["train"]}, allow_changes, str(ck_path))
         if ck["step"] >= cfg.max_steps:
@@ -420,12 +421,20 @@ def resolve_targets(spec: str, # "auto", "build", "hub:<dataset>", or a targets 
     return load_targets(spec, expect_frame=expect_frame)
 
 def caption_source(targets):
-    "The caption source the targets were built from; GuardError if its content no longer matches."
+    "The caption source the targets were built from, reopened from their `captions` record (a hub source at its recorded commit)."
     from captionbert.alignment import AlignmentConfig
-    src = AlignmentConfig(**targets.manifest["config"]).caption_source(verbose=False)
+    from captionbert.data import CAPTIONS_VAR, HubCaptions, reopen_captions
+    cfg = AlignmentConfig(**targets.manifest["config"])
+    rec = targets.manifest.get("captions")
+    if rec is not None:                    # the record names the content; a moved file falls back to the configured captions
+        src = reopen_captions(rec, fallback=lambda: cfg.caption_source(verbose=False))
+    else: src = cfg.caption_source(verbose=False)       # targets from before the record: the config's spec, re-resolved
     if src.fingerprint != targets.source_fingerprint:
+        fix = (f"reopen them with a spec pinned at the commit they were built from ('hub:{src.hub_name}@<commit>:{src.column}:{src.split}'); "
+               f"{targets.folder} records no commit (built by older code), so rebuild the targets to record one"
+               if isinstance(src, HubCaptions) else f"point {CAPTIONS_VAR} at the caption file they were built from")
         raise GuardError(f"the captions now found for {targets.folder} ({src!r}) are not the ones its targets were built from "
-                         f"(fingerprint {src.fingerprint[:12]} != {targets.source_fingerprint[:12]}); point CAPTIONBERT_CAPTIONS at them")
+                         f"(fingerprint {src.fingerprint[:12]} != {targets.source_fingerprint[:12]}): {fix}")
     return src
 
 # %% ../nbs/05_train.ipynb #2b6493a5
@@ -468,7 +477,7 @@ def run_consensus_training(seed: int = 0, # the run's seed
     full = torch.zeros(len(corpus), tg.targets.shape[1]); full[tg.row_ids] = tg.targets
     enc_cfg = EncoderConfig.preset(cfg.encoder, out_dim=tg.targets.shape[1])
     set_seed(seed); model = CaptionEncoder(enc_cfg)
-    corpus_id = {"source_fingerprint": tg.source_fingerprint, "frame": tg.frame, "train_rows": int(len(train_rows)), "data_fraction": data_fraction,
+    corpus_id = {"source_fingerprint": tg.source_fingerprint, "frame": tg.frame, "targets_fingerprint": tg.fingerprint, "train_rows": int(len(train_rows)), "data_fraction": data_fraction,
                  "train_rows_sha256": sha256_bytes(train_rows.astype(np.int64).tobytes())}
     run = RunDir(run_path)
     config = {"preset": preset, "seed": seed, "encoder": enc_cfg, "targets": str(tg.folder), "frame": tg.frame,
@@ -518,13 +527,19 @@ def score_student(job: ConsensusRun, # a completed run
     job.run.write_json("results/student.json", res)
     return res
 
+def scoring_code() -> tuple:
+    "The functions that turn a teacher view into harness scores: its loading, forward and pooling, the harness's embed and score path."
+    from captionbert import benchmark as B, gauges as G, teachers as T
+    from captionbert.data import collate, sorted_batches
+    return (T.load_teachers, T.TeacherGroup.__init__, T.TeacherGroup.encode, T.mean_pool, T.load_source, T.convert_onnx_bert,
+            T.onnx_bert_weights, T.GloveTokenizer, T.WordVectors, T.load_glove, collate, sorted_batches, autocast,
+            B._prepare, B._embed, B._score, B.evaluate_views, G.spearman, G.rankdata, G.effective_rank, G.entropy_effective_rank,
+            G.self_cosine, G.simplex_cv)
+
 def scoring_code_version() -> str:
-    "A hash of the code that turns a model into harness scores (harness, teachers, gauges sources) and of torch/transformers."
-    import inspect, transformers
-    from captionbert import benchmark, gauges, teachers
-    from captionbert.core import sha256_bytes
-    src = "".join(inspect.getsource(m) for m in (benchmark, teachers, gauges))
-    return sha256_bytes(f"torch {torch.__version__}|transformers {transformers.__version__}|{src}".encode())[:16]
+    "core.stage_hash of `scoring_code()` with the torch, transformers and numpy versions: what the teacher-score cache is keyed on."
+    from captionbert.core import stage_hash
+    return stage_hash(*scoring_code(), libs=("torch", "transformers", "numpy"))
 
 def _source_identity(source: str) -> object:
     "A local model folder named by its files (name, size, mtime); a hub id by itself."

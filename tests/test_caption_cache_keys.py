@@ -39,3 +39,37 @@ def test_fingerprint_and_cache_key_follow_the_commit(hub_heads):
     assert key("hub:org/caps@v2:text") != k_main                # another revision: another cache
     heads[None] = heads["main"] = "c" * 40                      # the default branch moves on the hub
     assert key("hub:org/caps:text") != k_main
+
+
+def _targets(src, record):
+    "A ConsensusTargets as build_consensus leaves it, minus the vectors: the config's unpinned spec, and (or not) the captions record."
+    import dataclasses
+    from pathlib import Path
+    import torch
+    from captionbert.alignment import AlignmentConfig
+    from captionbert.consensus import ConsensusTargets
+    cfg = AlignmentConfig(name="published", roster="hub", captions="hub:org/caps:text:validation", limit=50)
+    man = {"config": dataclasses.asdict(cfg), "source_fingerprint": src.fingerprint, "frame": "f" * 64, "shards": {}}
+    if record is not None: man["captions"] = record
+    return ConsensusTargets(Path("built-targets"), torch.zeros(1, 4), torch.zeros(1, dtype=torch.long), man)
+
+
+def test_record_carries_the_commit_and_training_reopens_it(hub_heads):
+    "The captions record names the commit resolved at build time; after the branch moves, training reads that commit, not the new head."
+    from captionbert.core import GuardError
+    from captionbert.train import caption_source
+    heads, asked = hub_heads
+    src = open_captions("hub:org/caps:text:validation", limit=50)
+    rec = src.describe()
+    assert {k: rec[k] for k in ("hub_name", "revision", "commit", "split", "column", "limit")} == \
+        {"hub_name": "org/caps", "revision": None, "commit": "a" * 40, "split": "validation", "column": "text", "limit": 50}
+    assert rec["spec"] == "hub:org/caps@" + "a" * 40 + ":text:validation" and rec["fingerprint"] == src.fingerprint
+    assert "a" * 12 in src.name and "validation" in src.name and "a" * 12 in repr(src)   # name and repr say what was read
+    heads[None] = heads["main"] = "c" * 40                        # the default branch moves after the targets were built
+    again = caption_source(_targets(src, rec))
+    assert again.commit == "a" * 40 and again.fingerprint == src.fingerprint
+    assert asked[-1] == ("org/caps", "a" * 40)                   # reopened at the recorded commit, not the branch
+    # targets from before the record: the unpinned spec re-resolves to the new head, and the advice is a pinned spec
+    with pytest.raises(GuardError, match=r"hub:org/caps@<commit>:text:validation") as e:
+        caption_source(_targets(src, None))
+    assert "CAPTIONBERT_CAPTIONS" not in str(e.value)

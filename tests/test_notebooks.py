@@ -71,3 +71,38 @@ def test_papermill_parameters_cell(nb):
     tree = ast.parse("".join(cells[tagged[0]]["source"]))
     assert tree.body and all(isinstance(s, (ast.Assign, ast.AnnAssign)) for s in tree.body), \
         f"{nb.name}: papermill appends its values after the parameters cell, so it must hold only assignments"
+
+
+def test_laws_are_cited_from_the_project():
+    "Notebooks and the library cite LAWS.md (in the repository), never DESIGN.md, and every law they name exists there."
+    laws = (ROOT / "LAWS.md").read_text()
+    numbered = {int(n) for n in re.findall(r"^\| (\d+) \|", laws, flags=re.M)}
+    assert numbered == set(range(1, 20)), f"LAWS.md should list laws 1-19, it lists {sorted(numbered)}"
+    bad = []
+    files = [*(ROOT / "nbs").glob("*.ipynb"), *(ROOT / "captionbert").glob("*.py")]
+    for f in files:
+        text = "".join("".join(c["source"]) for c in _cells(f)) if f.suffix == ".ipynb" else f.read_text()
+        if "DESIGN.md" in text: bad.append(f"{f.name}: cites DESIGN.md, which a user of the repository cannot read")
+        for m in re.finditer(r"(?<!LAWS\.md )\b[Ll]aw (\d+)", text):
+            bad.append(f"{f.name}: '{text[max(0, m.start() - 30):m.end()]}' (cite it as 'LAWS.md law {m.group(1)}')")
+        for n in re.findall(r"LAWS\.md law (\d+)", text):
+            if int(n) not in numbered: bad.append(f"{f.name}: cites LAWS.md law {n}, which LAWS.md does not have")
+    assert not bad, "\n".join(bad)
+
+
+def test_laws_name_real_guards():
+    "Every `module.name` that LAWS.md names as a guard or instrument exists in the library."
+    import importlib
+    laws = (ROOT / "LAWS.md").read_text()
+    missing = []
+    for mod, attr in set(re.findall(r"`(core|gauges|data|teachers|alignment|consensus|train|amoe|benchmark|retrieval|hf|perf)\.([A-Za-z_]\w*)", laws)):
+        if not hasattr(importlib.import_module(f"captionbert.{mod}"), attr): missing.append(f"{mod}.{attr}")
+    assert not missing, f"LAWS.md names guards the library does not have: {sorted(missing)}"
+
+
+def test_nbdev_names_no_missing_notebook():
+    "pyproject names no notebook that is not there (nbdev's readme_nb defaults to index.ipynb)."
+    cfg = get_config(ROOT)
+    nb = ROOT / cfg.nbs_path / cfg.readme_nb
+    declared = "readme_nb" in (ROOT / "pyproject.toml").read_text()
+    assert nb.exists() or not declared, f"pyproject.toml names {nb.name} as the readme notebook, but it does not exist"

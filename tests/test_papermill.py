@@ -101,3 +101,27 @@ def test_run_refuses_targets_of_another_frame(tmp_path):
     with pytest.raises(GuardError, match="another frame"):
         run_consensus_training(seed=0, preset="smoke", run_dir=run_dir, targets=str(other), max_steps=8, progress=False)
     assert (run_dir / "metrics.jsonl").read_text() == before   # nothing was trained or logged
+
+
+def test_resume_refuses_targets_rebuilt_in_place(tmp_path):
+    "Targets rebuilt in place with the same maps (same frame) but other vectors: a resume is refused naming the targets fingerprint (law 16)."
+    import torch
+    import torch.nn.functional as F
+    from safetensors.torch import load_file, save_file
+    from captionbert.core import GuardError, atomic_write_json, sha256_file
+    from captionbert.train import run_consensus_training
+    run_dir = tmp_path / "run"
+    first = run_consensus_training(seed=0, preset="smoke", run_dir=run_dir, targets="build", max_steps=4, progress=False)
+    folder = first.targets.folder
+    man = json.loads((folder / "targets.json").read_text())
+    key = sorted(man["shards"])[0]; shard = folder / "targets" / f"shard-{key}.safetensors"
+    t = load_file(str(shard))
+    t["targets"] = F.normalize(t["targets"] + 0.05 * torch.randn(t["targets"].shape, generator=torch.Generator().manual_seed(0)), dim=-1)
+    save_file(t, str(shard))
+    man["shards"][key]["sha256"] = sha256_file(shard)             # a consistent folder: it loads and verifies, in the same frame
+    atomic_write_json(folder / "targets.json", man)
+    before = (run_dir / "metrics.jsonl").read_text()
+    with pytest.raises(GuardError, match="targets_fingerprint"):
+        run_consensus_training(seed=0, preset="smoke", run_dir=run_dir, targets="build", max_steps=6, progress=False,
+                               allow_changes={"max_steps"})
+    assert (run_dir / "metrics.jsonl").read_text() == before     # nothing was trained or logged
