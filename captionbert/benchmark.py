@@ -23,10 +23,10 @@ from .data import collate, load_tokenizer, sorted_batches
 from .encoder import CaptionEncoder
 
 # %% auto #0
-__all__ = ['STS_TASKS', 'TASK_NAMES', 'FAST_TASKS', 'DEV_TASKS', 'NAMED_MODELS', 'StsTask', 'StsData', 'read_sts_tsv',
-           'load_sts_task', 'sts_unavailable', 'Encoder', 'HFEncoder', 'StudentEncoder', 'pooled_outputs',
-           'minilm_encoder', 'teacher_encoder', 'load_encoder', 'evaluate', 'evaluate_views', 'save_results',
-           'load_results', 'published_results', 'results_table', 'results_figure', 'main']
+__all__ = ['STS_TASKS', 'TASK_NAMES', 'FAST_TASKS', 'DEV_TASKS', 'HUB_RETRY_S', 'NAMED_MODELS', 'StsTask', 'StsData',
+           'read_sts_tsv', 'load_sts_task', 'sts_unavailable', 'Encoder', 'HFEncoder', 'StudentEncoder',
+           'pooled_outputs', 'minilm_encoder', 'teacher_encoder', 'load_encoder', 'evaluate', 'evaluate_views',
+           'save_results', 'load_results', 'published_results', 'results_table', 'results_figure', 'main']
 
 # %% ../nbs/02_benchmark.ipynb #60fc387a
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +91,8 @@ def read_sts_tsv(path: str | Path, # a <task>.tsv file
     if not sc: raise ValueError(f"{path}: no pairs after the header")
     return StsData(task, s1, s2, np.asarray(sc), origin=str(path))
 
-_HUB_FAILURE: list = []     # the first "hub unreachable" message of this process, so later loads fail fast
+_HUB_FAILURE: list = []     # [(when, message)] of this process's last "hub unreachable", so the next loads fail fast
+HUB_RETRY_S = 300           # after this long the hub is tried again (a transient failure does not last a whole session)
 
 def load_sts_task(name: str, # a key of STS_TASKS
                   sts_dir: str | Path | None = None # folder of <task>.tsv; None: CAPTIONBERT_STS_DIR, the dev copy, else the hub
@@ -109,14 +110,16 @@ def load_sts_task(name: str, # a key of STS_TASKS
             raise FileNotFoundError(f"{p} is missing: the STS folder {folder} has no {name}.tsv; add it, or point {STS_DIR_VAR} "
                                     "(or --sts-dir) at a folder that has every task")
         return read_sts_tsv(p, task)
-    if _HUB_FAILURE: raise FileNotFoundError(_HUB_FAILURE[0])
+    if _HUB_FAILURE and time.monotonic() - _HUB_FAILURE[-1][0] < HUB_RETRY_S:
+        raise FileNotFoundError(f"{name}: the hub was unreachable moments ago ({_HUB_FAILURE[-1][1]})")
+    _HUB_FAILURE.clear()
     from datasets import load_dataset
     try: ds = load_dataset(task.hub_path, revision=task.revision, split=task.split)
     except Exception as e:
         msg = (f"could not load {name} from the hub ({task.hub_path}@{task.revision[:10]}): {type(e).__name__}: {str(e)[:200]}. "
                f"Offline, set {STS_DIR_VAR} (or pass --sts-dir / sts_dir=) to a folder of <task>.tsv files; online, the hub is needed")
         if isinstance(e, (ConnectionError, OSError)) or "connect" in str(e).lower() or "reach" in str(e).lower():
-            _HUB_FAILURE.append(msg)       # unreachable: later tasks in this process fail at once instead of retrying for 25 s each
+            _HUB_FAILURE.append((time.monotonic(), msg))   # unreachable: the next tasks fail at once, not after 25 s of retries each
         raise FileNotFoundError(msg) from e
     return StsData(task, list(ds["sentence1"]), list(ds["sentence2"]), np.asarray(ds["score"], dtype=np.float64),
                    origin=f"{task.hub_path}@{task.revision}")

@@ -17,7 +17,7 @@ import torch
 from .core import GuardError, sha256_bytes, sha256_file
 
 # %% auto #0
-__all__ = ['STS_DIR_VAR', 'CAPTIONS_VAR', 'CACHE_VAR', 'BERT_TOKENIZER_HUB', 'MAX_TOKENS', 'NOUNS', 'COLOURS', 'SIZES',
+__all__ = ['STS_DIR_VAR', 'CAPTIONS_VAR', 'CACHE_VAR', 'BERT_TOKENIZER_HUB', 'MAX_TOKENS', 'NOUNS', 'COLOURS', 'SIZE_WORDS',
            'MATERIALS', 'RELATIONS', 'ATTRIBUTE_KINDS', 'SYNTHETIC_SPEC', 'HUB_SPEC', 'FLICKR_IMAGES_VAR',
            'FLICKR_SPLITS', 'FLICKR_HEADER', 'CAPTION_PAIR_KINDS', 'repo_root', 'find_data', 'cache_dir', 'runs_dir',
            'bundled_minilm_path', 'load_tokenizer', 'TextFileCaptions', 'resolve_hub_revision', 'HubCaptions',
@@ -171,11 +171,11 @@ class HubCaptions:
 NOUNS = ("cube", "sphere", "cylinder", "cone", "dog", "cat", "horse", "bird", "car", "bicycle", "chair", "table",
          "lamp", "cup", "book", "ball", "box", "vase", "boat", "tree")
 COLOURS = ("red", "blue", "green", "yellow", "black", "white", "purple", "orange", "gray", "brown")
-SIZES = ("small", "large", "tiny", "huge")
+SIZE_WORDS = ("small", "large", "tiny", "huge")   # the grammar's size attributes (not the run sizes of core.SIZES)
 MATERIALS = ("wooden", "metal", "glass", "plastic", "rubber", "stone")
 RELATIONS = {"to the left of": "to the right of", "to the right of": "to the left of", "on top of": "beneath",
              "beneath": "on top of", "behind": "in front of", "in front of": "behind", "next to": "next to"}
-ATTRIBUTE_KINDS = (("size", SIZES), ("colour", COLOURS), ("material", MATERIALS))
+ATTRIBUTE_KINDS = (("size", SIZE_WORDS), ("colour", COLOURS), ("material", MATERIALS))
 
 @dataclasses.dataclass(frozen=True)
 class SceneObject:

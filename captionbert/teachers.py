@@ -16,14 +16,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .core import GuardError, atomic_path, atomic_write_json, autocast, folder_lock, pick_device, pick_precision, sha256_bytes, sha256_file
+from .core import GuardError, stage_hash, atomic_path, atomic_write_json, autocast, folder_lock, pick_device, pick_precision, sha256_bytes, sha256_file
 from .data import bundled_minilm_path, cache_dir, collate, load_tokenizer, sorted_batches
 
 # %% auto #0
 __all__ = ['HUB_TEACHERS', 'ROSTERS', 'TEACHERS_EXTRA', 'PARAPHRASE_DIST', 'PARAPHRASE_ONNX', 'GLOVE_MODULE', 'CONVERT_VERSION',
-           'STATIC_FAMILIES', 'EMBED_STAGE_VERSION', 'TeacherSpec', 'offline_teachers', 'paraphrase_teachers',
-           'glove_teacher', 'roster', 'reference_member', 'missing_extra', 'paraphrase_minilm_onnx', 'glove_root',
-           'onnx_bert_weights', 'convert_onnx_bert', 'GloveTokenizer', 'WordVectors', 'load_glove', 'load_source',
+           'STATIC_FAMILIES', 'TeacherSpec', 'offline_teachers', 'paraphrase_teachers', 'glove_teacher', 'roster',
+           'reference_member', 'missing_extra', 'paraphrase_minilm_onnx', 'glove_root', 'onnx_bert_weights',
+           'convert_onnx_bert', 'GloveTokenizer', 'WordVectors', 'load_glove', 'load_source', 'embed_stage_version',
            'mean_pool', 'TeacherGroup', 'load_teachers', 'EmbeddingStore', 'embed_corpus', 'embed_cache_key',
            'embed_cached']
 
@@ -265,7 +265,12 @@ def load_source(source: str, # hub id, local folder, an .onnx BERT graph, or a s
     return AutoTokenizer.from_pretrained(folder), AutoModel.from_pretrained(folder)
 
 # %% ../nbs/01a_teachers.ipynb #7c801f78
-EMBED_STAGE_VERSION = 1   # bump when a change to tokenizing, batching, the forward pass, pooling, the ONNX conversion or the GloVe tokenizer changes the numbers
+def embed_stage_version() -> str:
+    "The teacher-embedding stage's version: core.stage_hash of the code that computes the vectors, and torch/transformers/numpy."
+    from captionbert import core as c, data as d, teachers as t   # the library's code (a notebook cell has no source file)
+    return stage_hash(t.TeacherGroup.__init__, t.TeacherGroup.encode, t.mean_pool, t.load_source, t.convert_onnx_bert,
+                      t.onnx_bert_weights, t.GloveTokenizer, t.WordVectors, t.load_glove, d.collate, d.sorted_batches,
+                      c.autocast, t._embed_corpus, libs=("torch", "transformers", "numpy"))
 
 def mean_pool(hidden: torch.Tensor, # [B, L, D] hidden states
               mask: torch.Tensor # [B, L] 1 on real tokens
@@ -393,7 +398,7 @@ def _embed_corpus(source, teachers, folder, shard_size, batch_size, limit, progr
     if fp is None: fp = sha256_bytes("\n".join(source).encode())
     numerics = sorted({f"{torch.device(g.device).type}/{g.precision}" for g in teachers})   # device type / precision of each group
     header = {"source": name, "source_fingerprint": fp, "teachers": specs, "shard_size": shard_size, "limit": limit,
-              "stage_version": EMBED_STAGE_VERSION, "numerics": numerics}
+              "stage_version": embed_stage_version(), "numerics": numerics}
     mpath = folder / "manifest.json"
     if mpath.exists():
         old = json.loads(mpath.read_text())
@@ -447,11 +452,11 @@ def embed_cache_key(source, # a caption source (its fingerprint names its conten
                     shard_size: int, # rows per shard (the store's layout)
                     device: str, # device type the numbers come from: "cpu", "cuda", "mps"
                     precision: str, # fp32 / bf16 / fp16
-                    stage_version: int = EMBED_STAGE_VERSION # the embedding code's version
+                    stage_version: str | None = None # the embedding code's version (None: embed_stage_version())
                    ) -> str:
     "The cache key of a teacher-embedding store: a hash of everything that changes what the store holds."
     return sha256_bytes(json.dumps({"source": source.fingerprint, "teachers": [dataclasses.asdict(s) for s in specs],
-                                    "limit": limit, "shard_size": shard_size, "stage_version": stage_version,
+                                    "limit": limit, "shard_size": shard_size, "stage_version": stage_version or embed_stage_version(),
                                     "device": device, "precision": precision}, sort_keys=True).encode())[:16]
 
 def embed_cached(source, # a caption source
