@@ -6,7 +6,7 @@ per token by the one signed sinh/cosh router, toggled bit-exactly, priced agains
 # %% ../nbs/06_amoe.ipynb #e8d50e99
 from __future__ import annotations
 
-import dataclasses, hashlib, json, warnings
+import collections, dataclasses, hashlib, json, warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -20,13 +20,14 @@ from safetensors.torch import save_file
 
 from .benchmark import DEV_TASKS, TASK_NAMES
 from .core import GuardError, atomic_path
-from .data import Batch, RELATIONS, SceneGrammar, Scene, SceneObject, collate
+from .data import (Batch, FlickrImages, PairSet, RELATIONS, SceneGrammar, Scene, SceneObject, assert_train_only, caption_pairs,
+                              collate, flickr_unavailable, load_flickr_images)
 from .encoder import CaptionEncoder, EncoderConfig, n_params, set_residual_hook
 
 # %% auto #0
-__all__ = ['SYNONYMS', 'HUB_PAIRS', 'sinh_route', 'Arm', 'backbone_fingerprint', 'ArmLibrary', 'check_backbone', 'AmoeModel',
-           'save_library', 'assert_toggle_exact', 'load_library', 'PairSet', 'grammar_pairs', 'hub_pairs', 'PairPlan',
-           'PairLoss', 'train_arm', 'amplitude_shares', 'greedy_roster', 'ArmStudyConfig']
+__all__ = ['SYNONYMS', 'HUB_PAIRS', 'PAIR_SOURCES', 'sinh_route', 'Arm', 'backbone_fingerprint', 'ArmLibrary', 'check_backbone',
+           'AmoeModel', 'save_library', 'assert_toggle_exact', 'load_library', 'grammar_pairs', 'hub_pairs', 'PairPlan',
+           'PairLoss', 'train_arm', 'amplitude_shares', 'greedy_roster', 'ArmStudyConfig', 'study_pairs']
 
 # %% ../nbs/06_amoe.ipynb #f7419de5
 def sinh_route(h: torch.Tensor, # [..., D] hidden states
@@ -222,15 +223,6 @@ SYNONYMS = {"cube": "block", "sphere": "orb", "cylinder": "tube", "cone": "pyram
             "book": "novel", "ball": "globe", "box": "crate", "vase": "jar", "boat": "ship", "tree": "plant", "small": "little",
             "large": "big", "tiny": "minuscule", "huge": "giant", "gray": "grey", "next": "beside", "beneath": "below", "behind": "past"}
 
-@dataclasses.dataclass
-class PairSet:
-    "Text pairs (a_i, b_i) that an arm should bring together."
-    name: str; a: list; b: list
-    def __len__(self): return len(self.a)
-    def __repr__(self): return f"PairSet({self.name}, n={len(self)}, e.g. {self.a[0]!r} ~ {self.b[0]!r})"
-    @property
-    def fingerprint(self) -> str: return hashlib.sha256("\n".join(f"{x}\t{y}" for x, y in zip(self.a, self.b)).encode()).hexdigest()
-
 def _inverted(sc: Scene) -> Scene:
     return Scene(tuple(reversed(sc.objects)), tuple(RELATIONS[r] for r in reversed(sc.relations)))
 
@@ -255,7 +247,7 @@ def grammar_pairs(task: str, # "equivalence", "simplification" or "paraphrase"
             if other == sc.text: continue
         else: raise ValueError(f"unknown task {task!r}: equivalence, simplification or paraphrase")
         a.append(sc.text); b.append(other)
-    return PairSet(task, a, b)
+    return PairSet(task, a, b)          # no sources: generated pairs come from no image
 
 def hub_pairs(name: str, col_a: str, col_b: str, config: Optional[str] = None, split: str = "train",
               limit: Optional[int] = None, task: Optional[str] = None) -> PairSet:
@@ -277,17 +269,65 @@ HUB_PAIRS = {   # published size: pair datasets on the hub (name, column a, colu
 # %% ../nbs/06_amoe.ipynb #7e615463
 class PairPlan:
     "The pair batch of every step (a pure function of seed and step): 2B rows, each pair's a-side then its b-side."
-    def __init__(self, tokenizer, pairs: PairSet, batch_size: int, seed: int = 0, max_tokens: int = 256):
+    def __init__(self, tokenizer, pairs: PairSet, # pairs with `sources` are checked train-only and batched one pair an image
+                 batch_size: int, seed: int = 0, max_tokens: int = 256,
+                 table: Optional[FlickrImages] = None # the table that says each source image's split; None: load_flickr_images() when needed
+                ):
+        if pairs.sources is not None: assert_train_only(pairs, table if table is not None else load_flickr_images())
         self.pairs, self.batch_size, self.seed = pairs, batch_size, seed
         self.a = tokenizer(pairs.a, truncation=True, max_length=max_tokens)["input_ids"]
         self.b = tokenizer(pairs.b, truncation=True, max_length=max_tokens)["input_ids"]
         self.per_epoch = len(pairs) // batch_size
         if self.per_epoch == 0: raise ValueError(f"{len(pairs)} pairs cannot fill one batch of {batch_size}")
+        if pairs.sources is not None and len(set(pairs.sources)) < batch_size:
+            raise ValueError(f"{pairs.name}: {len(set(pairs.sources))} source images cannot fill a batch of {batch_size} pairs one pair an image "
+                             "(two pairs of one image in a batch are false negatives for PairLoss): use a smaller batch or more images")
+        self._cache = (None, None)
+    def epoch(self, e: int) -> np.ndarray:
+        "The pair indices of every batch of epoch `e`, [per_epoch, B]: a seeded permutation, a pair held back while its image is in the batch."
+        if self._cache[0] == e: return self._cache[1]
+        order, B = np.random.default_rng([self.seed, e]).permutation(len(self.pairs)), self.batch_size
+        if self.pairs.sources is None: out = order[:self.per_epoch * B].reshape(self.per_epoch, B)
+        else:
+            src, waiting, it, out = self.pairs.sources, [], iter(order.tolist()), []
+            for _ in range(self.per_epoch):
+                rows, seen, still = [], set(), []
+                for r in waiting:                                  # pairs held back by earlier batches go first
+                    if len(rows) < B and src[r] not in seen: rows.append(r); seen.add(src[r])
+                    else: still.append(r)
+                waiting = still
+                for r in it if len(rows) < B else ():
+                    if src[r] in seen: waiting.append(r); continue
+                    rows.append(r); seen.add(src[r])
+                    if len(rows) == B: break
+                while len(rows) < B: rows.append(waiting.pop(0))     # only at an epoch's tail (few images left): _repair swaps
+                out.append(rows)
+            out = np.array(self._repair(out))
+        self._cache = (e, out); return out
+    def _repair(self, out: list) -> list:
+        "Swap each pair that repeats an image in its batch with a pair of another batch, where neither image then repeats."
+        src = self.pairs.sources
+        count = [collections.Counter(src[r] for r in rows) for rows in out]
+        for i, rows in enumerate(out):
+            for p, r in enumerate(rows):
+                if count[i][src[r]] < 2: continue
+                for j, other in enumerate(out):
+                    if j == i or count[j][src[r]] > 0: continue
+                    q = next((q for q, x in enumerate(other) if count[i][src[x]] == 0), None)
+                    if q is None: continue
+                    x = other[q]; other[q], rows[p] = r, x
+                    count[i][src[r]] -= 1; count[i][src[x]] += 1; count[j][src[x]] -= 1; count[j][src[r]] += 1
+                    break
+        return out
+    def same_source(self, step: int) -> int:
+        "Pairs of the step's batch whose image already has a pair in it (false negatives for PairLoss); 0 without sources."
+        if self.pairs.sources is None: return 0
+        rows = self.epoch(step // self.per_epoch)[step % self.per_epoch]
+        return len(rows) - len({self.pairs.sources[r] for r in rows})
     def __call__(self, step: int) -> Batch:
         "Rows interleaved a, b, a, b, ... with ids 2i (a-side of pair i) and 2i + 1 (its b-side): any even shard holds whole pairs."
         epoch, i = divmod(step, self.per_epoch)
-        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.pairs))
-        rows = order[i * self.batch_size:(i + 1) * self.batch_size]
+        rows = self.epoch(epoch)[i]
         return collate([x for r in rows for x in (self.a[r], self.b[r])], np.stack([2 * rows, 2 * rows + 1], 1).reshape(-1))
 
 class _GatherRows(torch.autograd.Function):
@@ -329,14 +369,16 @@ class PairLoss:
 def train_arm(backbone: CaptionEncoder, # frozen
               arm: Arm, # the arm to train (its adapters and key)
               pairs: PairSet, tokenizer, cfg, run_dir, # cfg: a captionbert.train.TrainConfig
-              tau: float = 0.10, seed: int = 0, device=None, progress: bool = False):
+              tau: float = 0.10, seed: int = 0, device=None, progress: bool = False,
+              table: Optional[FlickrImages] = None): # the Flickr table for the train-only guard when `pairs` have sources; None: load it
     "Train one arm solo on a frozen backbone with the workbook's training loop; returns the TrainResult."
     from captionbert.core import RunDir, set_seed
     from captionbert.train import train
     set_seed(seed)
     model = AmoeModel(backbone, ArmLibrary([arm], tau=tau, backbone_fingerprint=backbone_fingerprint(backbone)))
     corpus = {"pairs": pairs.name, "pairs_sha256": pairs.fingerprint, "backbone": model.library.backbone_fingerprint, "tau": tau}
-    return train(model, PairPlan(tokenizer, pairs, cfg.batch_size, seed), PairLoss(), cfg, RunDir(run_dir), corpus,
+    plan = PairPlan(tokenizer, pairs, cfg.batch_size, seed, table=table)          # refuses pairs cut from a dev or test image
+    return train(model, plan, PairLoss(), cfg, RunDir(run_dir), corpus,
                  resume=False, device=device, progress=progress)
 
 # %% ../nbs/06_amoe.ipynb #b67718f1
@@ -380,6 +422,9 @@ def greedy_roster(candidates: dict, # name -> Arm (trained candidates)
     return {"roster": [a.name for a in roster], "steps": steps, "halted": "candidates exhausted" if not left else f"max_arms={max_arms}"}
 
 # %% ../nbs/06_amoe.ipynb #653656b2
+PAIR_SOURCES = {"flickr": ("paraphrase", "simplification"),                 # pair source -> the task arms it trains
+                "grammar": ("equivalence", "simplification", "paraphrase")}
+
 @dataclasses.dataclass(frozen=True)
 class ArmStudyConfig:
     "The sizes of an arm study (06's library, 07's transplant) at one preset."
@@ -390,17 +435,18 @@ class ArmStudyConfig:
     key_steps: int = 200                      # steps of key-only re-alignment (07)
     batch_size: int = 64                      # pairs a step (2x rows)
     lr: float = 1e-3                          # arm learning rate (warmup: a tenth of the steps)
-    pairs: int = 8192                         # grammar pairs a task
+    pairs: int = 8192                         # pairs a task
+    pair_source: str = "flickr"               # "flickr" (real captions of train images) or "grammar" (the scene grammar); see study_pairs
     taus: tuple = (0.10, 0.05, 0.02)          # the temperature sweep; the first is the library's own
     sweep_seeds: tuple = (0, 1)               # seeds of the temperature sweep
     tasks: tuple = TASK_NAMES                 # the test sets every result is reported on
     dev_task: str = DEV_TASKS[0]              # the dev set every selection is made on (never reported as a result)
-    transplant_bars: tuple = ()               # 07's measured bars asserted at this preset (loss, keys, native); the rest are study results
+    retrieval_images: Optional[int] = None    # Flickr8k held-out images the retrieval task ranks (a seeded subset); None: all 1,000 a split
     @classmethod
     def cpu(cls, **kw): return cls(**{"name": "cpu", **kw})
     @classmethod
     def smoke(cls, **kw): return cls(**{"name": "smoke", "backbone_preset": "smoke", "rank": 8, "steps": 15, "key_steps": 15, "batch_size": 32,
-                                       "pairs": 512, "sweep_seeds": (0,), "tasks": ("stsb", "biosses"), **kw})
+                                       "pairs": 512, "pair_source": "grammar", "retrieval_images": 100, "sweep_seeds": (0,), "tasks": ("stsb", "biosses"), **kw})
     PRESETS = ("smoke", "cpu")
     @classmethod
     def preset(cls, name: str, **kw):
@@ -410,11 +456,22 @@ class ArmStudyConfig:
     def __post_init__(self):
         if self.dev_task in self.tasks: raise ValueError(f"the dev set {self.dev_task!r} cannot also be a reported test set ({self.tasks})")
         if not self.taus or not self.sweep_seeds: raise ValueError("the sweep needs at least one temperature and one seed")
-        unknown = set(self.transplant_bars) - {"loss", "keys", "native"}
-        if unknown: raise ValueError(f"unknown transplant bars {sorted(unknown)}: the measured bars are loss, keys and native")
+        if self.pair_source not in PAIR_SOURCES: raise ValueError(f"unknown pair source {self.pair_source!r}: one of {list(PAIR_SOURCES)}")
     def train_config(self, steps: Optional[int] = None): # None: the arms' steps
         "The TrainConfig of one arm (or key re-alignment) run on the workbook's loop."
         from captionbert.train import TrainConfig
         n = self.steps if steps is None else steps
         return TrainConfig(name=f"arm-{self.name}", batch_size=self.batch_size, max_steps=n, lr=self.lr, warmup_steps=max(1, n // 10),
                            eval_every=10**9, ckpt_every_steps=10**9, log_every=10)
+
+def study_pairs(cfg: ArmStudyConfig, seed: int = 0,
+                table: Optional[FlickrImages] = None # the Flickr table; None: load_flickr_images() when the source is flickr
+               ) -> tuple[dict, Optional[str]]:
+    "The task arms' pairs of a study (task -> PairSet) and, when the Flickr file is missing and the grammar stands in, why."
+    why = None
+    if cfg.pair_source == "flickr":
+        why = flickr_unavailable() if table is None else None
+        if why is None:
+            table = table if table is not None else load_flickr_images()
+            return {t: caption_pairs(t, cfg.pairs, seed=seed, table=table) for t in PAIR_SOURCES["flickr"]}, None
+    return {t: grammar_pairs(t, cfg.pairs, seed=seed) for t in PAIR_SOURCES["grammar"]}, why

@@ -7,7 +7,10 @@ natively — between two sibling students trained by the same loop on the same t
 # %% ../nbs/07_transplant.ipynb #2337f243
 from __future__ import annotations
 
+from typing import Optional
+
 from .amoe import AmoeModel, PairLoss, PairPlan, backbone_fingerprint
+from .data import FlickrImages, PairSet
 
 # %% auto #0
 __all__ = ['realign_keys', 'transplant_report']
@@ -15,18 +18,22 @@ __all__ = ['realign_keys', 'transplant_report']
 # %% ../nbs/07_transplant.ipynb #bd7a5693
 def realign_keys(model: AmoeModel, # a library on a (foreign) backbone
                  pairs_by_arm: dict, # arm name -> PairSet the arm was trained on
-                 tokenizer, cfg, run_dir, seed: int = 0, device=None):
+                 tokenizer, cfg, run_dir, seed: int = 0, device=None,
+                 table: Optional[FlickrImages] = None): # the Flickr table for the train-only guard when the pairs have sources; None: load it
     "Train only the routing keys of every arm (adapters frozen), on the union of the arms' pairs; returns the TrainResult."
-    from captionbert.amoe import PairSet
     from captionbert.core import RunDir, set_seed
     from captionbert.train import train
+    ps = list(pairs_by_arm.values())
+    if len({p.sources is None for p in ps}) > 1:        # a union that forgot some images could slip held-out pairs past the guard
+        raise ValueError(f"pairs with source images and pairs without cannot share one key re-alignment: {[(p.name, p.sources is not None) for p in ps]}")
+    sources = None if ps[0].sources is None else [x for p in ps for x in p.sources]     # the images travel with the union
+    pairs = PairSet("+".join(pairs_by_arm), [x for p in ps for x in p.a], [x for p in ps for x in p.b], sources)
     set_seed(seed)
     for arm in model.library.arms:
         for n, p in arm.named_parameters(): p.requires_grad_(n == "key")
-    pairs = PairSet("+".join(pairs_by_arm), [x for p in pairs_by_arm.values() for x in p.a], [x for p in pairs_by_arm.values() for x in p.b])
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     corpus = {"pairs": pairs.name, "pairs_sha256": pairs.fingerprint, "backbone": backbone_fingerprint(model.backbone), "keys_only": trainable}
-    try: return train(model, PairPlan(tokenizer, pairs, cfg.batch_size, seed), PairLoss(), cfg, RunDir(run_dir), corpus,
+    try: return train(model, PairPlan(tokenizer, pairs, cfg.batch_size, seed, table=table), PairLoss(), cfg, RunDir(run_dir), corpus,
                       resume=False, device=device, progress=False)
     finally:
         for arm in model.library.arms:

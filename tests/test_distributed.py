@@ -1,14 +1,10 @@
 """Data parallelism: the one training loop under 2 gloo processes matches 1 process at the same global batch."""
-import os
-import socket
-
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from _dist import spawn_gloo
 from captionbert.core import RunDir, set_seed
 from captionbert.data import SceneGrammar, load_tokenizer
 from captionbert.encoder import CaptionEncoder, EncoderConfig
@@ -33,25 +29,14 @@ def _run(folder):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _worker(rank, world, port, folder, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        state = _run(folder)
-        if rank == 0: torch.save(state, out)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
+def _ddp(rank, world, folder, out):
+    state = _run(folder)
+    if rank == 0: torch.save(state, out)
 
 
 def test_two_gloo_processes_match_one(tmp_path):
     single = _run(tmp_path / "single")
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path / "ddp"), str(tmp_path / "ddp.pt")), nprocs=2, join=True)
+    spawn_gloo(_ddp, 2, str(tmp_path / "ddp"), str(tmp_path / "ddp.pt"))
     ddp = torch.load(tmp_path / "ddp.pt")
     worst = max((single[k] - ddp[k]).abs().max().item() for k in single)
     assert worst < 1e-5, f"2-process weights differ from 1-process weights by {worst}"

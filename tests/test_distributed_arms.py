@@ -1,13 +1,10 @@
 """Data parallelism for arms: an arm trained by the one loop under 2 gloo processes (each a shard of the global pair batch,
 negatives gathered across ranks) gets the same weights as in 1 process at the same global batch."""
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from _dist import spawn_gloo
 from captionbert.amoe import Arm, PairLoss, grammar_pairs, train_arm
 from captionbert.core import set_seed
 from captionbert.data import collate, load_tokenizer
@@ -29,25 +26,14 @@ def _run(folder):
     return {k: v.detach().clone() for k, v in arm.state_dict().items()}
 
 
-def _worker(rank, world, port, folder, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        state = _run(folder)
-        if rank == 0: torch.save(state, out)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
+def _ddp(rank, world, folder, out):
+    state = _run(folder)
+    if rank == 0: torch.save(state, out)
 
 
 def test_two_gloo_processes_train_the_same_arm(tmp_path):
     single = _run(tmp_path / "single")
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path / "ddp"), str(tmp_path / "ddp.pt")), nprocs=2, join=True)
+    spawn_gloo(_ddp, 2, str(tmp_path / "ddp"), str(tmp_path / "ddp.pt"))
     ddp = torch.load(tmp_path / "ddp.pt")
     worst = max((single[k] - ddp[k]).abs().max().item() for k in single)
     assert worst < 1e-5, f"2-process arm weights differ from 1-process arm weights by {worst}"
@@ -56,37 +42,31 @@ def test_two_gloo_processes_train_the_same_arm(tmp_path):
     assert moved > 1e-4, "training did not move every up-projection, so the comparison would prove nothing"
 
 
-def _local_negatives_only(rank, world, port, out):
-    "A rank's loss when its negatives are only its own shard (what a loss that never gathers would compute)."
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.manual_seed(0)
-        enc = CaptionEncoder(EncoderConfig.tiny()).eval()
-        tok = load_tokenizer()
-        ps = grammar_pairs("paraphrase", n=8, seed=0)
-        ids = [x for a, b in zip(ps.a, ps.b) for x in tok([a, b])["input_ids"]]
-        gb = collate(ids, torch.arange(16).numpy())
-        share = 16 // world
-        b = collate(ids[rank * share:(rank + 1) * share], torch.arange(rank * share, (rank + 1) * share).numpy())
-        with torch.no_grad(): loss, _ = PairLoss()(enc, b, gb)
-        losses = [torch.zeros(()) for _ in range(world)]; dist.all_gather(losses, loss.detach())
-        if rank == 0: torch.save(torch.stack(losses), out)
-    finally:
-        dist.destroy_process_group()
-
-
-def test_ranks_see_every_negative(tmp_path):
-    "The mean of the ranks' losses is the one-process loss over the global batch (not a loss over each shard's pairs alone)."
-    mp.spawn(_local_negatives_only, args=(2, _free_port(), str(tmp_path / "l.pt")), nprocs=2, join=True)
-    ranks = torch.load(tmp_path / "l.pt")
+def _global_batch():
+    "A tiny encoder and one global batch of 8 grammar pairs (16 interleaved rows), the same in every process."
     torch.manual_seed(0)
     enc = CaptionEncoder(EncoderConfig.tiny()).eval()
     tok = load_tokenizer()
     ps = grammar_pairs("paraphrase", n=8, seed=0)
     ids = [x for a, b in zip(ps.a, ps.b) for x in tok([a, b])["input_ids"]]
-    gb = collate(ids, torch.arange(16).numpy())
+    return enc, ids, collate(ids, torch.arange(16).numpy())
+
+
+def _rank_losses(rank, world, out):
+    "Each rank's loss on its contiguous shard of the global pair batch, gathered to rank 0."
+    enc, ids, gb = _global_batch()
+    share = 16 // world
+    b = collate(ids[rank * share:(rank + 1) * share], torch.arange(rank * share, (rank + 1) * share).numpy())
+    with torch.no_grad(): loss, _ = PairLoss()(enc, b, gb)
+    losses = [torch.zeros(()) for _ in range(world)]; dist.all_gather(losses, loss.detach())
+    if rank == 0: torch.save(torch.stack(losses), out)
+
+
+def test_ranks_see_every_negative(tmp_path):
+    "The mean of the ranks' losses is the one-process loss over the global batch (not a loss over each shard's pairs alone)."
+    spawn_gloo(_rank_losses, 2, str(tmp_path / "l.pt"))
+    ranks = torch.load(tmp_path / "l.pt")
+    enc, _, gb = _global_batch()
     with torch.no_grad(): one, _ = PairLoss()(enc, gb, gb)
     assert abs(ranks.mean().item() - one.item()) < 1e-5, f"rank losses {ranks.tolist()} do not average to the one-process loss {one.item()}"
 
