@@ -26,3 +26,15 @@ def _in_group(rank, world, port, fn, args):
 def spawn_gloo(fn, world: int, *args):
     "Run fn(rank, world, *args) in `world` processes joined in one gloo group (fn: a module-level function, so it pickles)."
     mp.spawn(_in_group, args=(world, free_port(), fn, args), nprocs=world, join=True)
+
+
+def _save_rank0(rank, world, run, folder, out):
+    state = run(folder)
+    if rank == 0: torch.save(state, out)
+
+
+def one_and_two_processes(run, tmp_path):
+    "The state dict `run(folder)` returns in one process, and rank 0's when it runs in 2 gloo processes (run: module-level)."
+    single = run(tmp_path / "single")
+    spawn_gloo(_save_rank0, 2, run, str(tmp_path / "ddp"), str(tmp_path / "ddp.pt"))
+    return single, torch.load(tmp_path / "ddp.pt")

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _dist import spawn_gloo
+from _dist import one_and_two_processes
 from captionbert.core import RunDir, set_seed
 from captionbert.data import SceneGrammar, load_tokenizer
 from captionbert.encoder import CaptionEncoder, EncoderConfig
@@ -29,15 +29,8 @@ def _run(folder):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _ddp(rank, world, folder, out):
-    state = _run(folder)
-    if rank == 0: torch.save(state, out)
-
-
 def test_two_gloo_processes_match_one(tmp_path):
-    single = _run(tmp_path / "single")
-    spawn_gloo(_ddp, 2, str(tmp_path / "ddp"), str(tmp_path / "ddp.pt"))
-    ddp = torch.load(tmp_path / "ddp.pt")
+    single, ddp = one_and_two_processes(_run, tmp_path)
     worst = max((single[k] - ddp[k]).abs().max().item() for k in single)
     assert worst < 1e-5, f"2-process weights differ from 1-process weights by {worst}"
     moved = max((single[k] - _initial()[k]).abs().max().item() for k in single)

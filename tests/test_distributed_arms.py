@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import spawn_gloo
+from _dist import one_and_two_processes, spawn_gloo
 from captionbert.amoe import Arm, PairLoss, grammar_pairs, train_arm
 from captionbert.core import set_seed
 from captionbert.data import collate, load_tokenizer
@@ -26,15 +26,8 @@ def _run(folder):
     return {k: v.detach().clone() for k, v in arm.state_dict().items()}
 
 
-def _ddp(rank, world, folder, out):
-    state = _run(folder)
-    if rank == 0: torch.save(state, out)
-
-
 def test_two_gloo_processes_train_the_same_arm(tmp_path):
-    single = _run(tmp_path / "single")
-    spawn_gloo(_ddp, 2, str(tmp_path / "ddp"), str(tmp_path / "ddp.pt"))
-    ddp = torch.load(tmp_path / "ddp.pt")
+    single, ddp = one_and_two_processes(_run, tmp_path)
     worst = max((single[k] - ddp[k]).abs().max().item() for k in single)
     assert worst < 1e-5, f"2-process arm weights differ from 1-process arm weights by {worst}"
     init = _arm().state_dict()
