@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from .core import SIZES, GuardError, atomic_path, resolve_preset, sha256_bytes
 from .data import default_captions, open_captions, stratified_sample
 from .gauges import QuerySetReport, query_set_report, retrieval_r1
+from .teachers import ROSTERS
 
 # %% auto #0
 __all__ = ['RowEmbeddings', 'AlignmentMap', 'fit_alignment', 'AlignmentScore', 'evaluate_alignment', 'check_queries',
@@ -114,7 +115,9 @@ class AlignmentMap:
     @property
     def d_reference(self) -> int: return self.colour.shape[0]
     @property
-    def n_over_d(self) -> float: return len(self.fit_rows) / self.d_source
+    def n_over_d(self) -> float:
+        "Fit rows per dimension of the wider side: the map estimates both covariances, so the wider one sets how far N/d reaches."
+        return len(self.fit_rows) / max(self.d_source, self.d_reference)
 
     def apply(self, x: torch.Tensor # [N, Ds] raw source embeddings
              ) -> torch.Tensor:
@@ -187,7 +190,7 @@ class AlignmentScore:
     r1: float                        # R@1 of aligned source -> own reference vector
     x_chance: float                  # R@1 / (1/gallery)
     mean_cosine: float               # mean cosine of aligned and reference vectors in the frame
-    n_over_d: float                  # the map's fit rows / source width
+    n_over_d: float                  # the map's fit rows / the wider of its two widths
     def __repr__(self):
         return (f"{self.teacher} [{self.split}, N/d={self.n_over_d:.1f}]: R@1 {self.r1:.4f} ({self.x_chance:.0f}x chance, "
                 f"gallery {self.gallery}), cos {self.mean_cosine:.3f}")
@@ -260,7 +263,7 @@ def frame_fingerprint(maps: dict # teacher -> AlignmentMap
 class AlignmentConfig:
     "What an alignment study (and the consensus built on it) runs on."
     name: str = "cpu"
-    roster: str = "offline"                  # "offline" (MiniLM layer views) or "hub" (the published five)
+    roster: str = "offline"                  # a name of teachers.ROSTERS: "offline" (MiniLM layer views), "offline-mixed", "offline-weak", "hub"
     captions: str | None = None              # caption source spec (see open_captions); None = default_captions()
     limit: int | None = None                 # captions used (None = all)
     fit_n_over_d: float = 31.3               # fit sample size as a multiple of the teacher width
@@ -280,11 +283,24 @@ class AlignmentConfig:
                                    limit=200_000, fit_n_over_d=24_000 / 768, batch_size=256, shard_size=65_536)
     PRESETS: ClassVar[tuple] = SIZES         # the preset names: the one vocabulary of run sizes
 
+    def __post_init__(self):
+        if self.roster not in ROSTERS: raise ValueError(f"unknown roster {self.roster!r}: use one of {list(ROSTERS)} (teachers.ROSTERS)")
     @classmethod
-    def preset(cls, name: str # smoke, cpu, published, or "auto" (see core.resolve_preset)
+    def preset(cls, name: str, # smoke, cpu, published, or "auto" (see core.resolve_preset)
+               roster: str | None = None # a name of teachers.ROSTERS; None = the preset's own roster
               ) -> "AlignmentConfig":
-        "A named preset; \"auto\" and unknown names go through core.resolve_preset."
-        return getattr(cls, resolve_preset(name, available=cls.PRESETS, section="03_alignment"))()
+        "A named preset, on its own roster or the one named; \"auto\" and unknown names go through core.resolve_preset."
+        cfg = getattr(cls, resolve_preset(name, available=cls.PRESETS, section="03_alignment"))()
+        return cfg if roster is None else dataclasses.replace(cfg, roster=roster)
+    @classmethod
+    def preset_roster(cls, name: str # a preset name of PRESETS
+                     ) -> str:
+        "The roster a preset uses when none is named."
+        return getattr(cls, name)().roster if name in cls.PRESETS else cls.roster
+    @property
+    def label(self) -> str:
+        "The run's name: the preset, with the roster appended where it is not the preset's own (cpu, cpu-offline-mixed)."
+        return self.name if self.roster == self.preset_roster(self.name) else f"{self.name}-{self.roster}"
     def fit_rows_for(self, width: int, n_over_d: float | None = None) -> int:
         return int(round((n_over_d or self.fit_n_over_d) * width))
     def caption_source(self, verbose: bool = True):

@@ -23,6 +23,7 @@ from .core import (GuardError, atomic_path, atomic_write_json, folder_lock, pick
 from .data import load_tokenizer, stratified_sample, tokenize
 from .gauges import effective_rank
 from .teachers import EmbeddingStore, TeacherGroup, embed_cache_key, embed_cached, reference_member, roster
+from .teachers import roster as teacher_roster   # the name the functions below use: a Run section's `roster` is a parameter
 
 # %% auto #0
 __all__ = ['consensus', 'write_targets', 'ConsensusTargets', 'load_targets', 'target_geometry', 'ShiftReport',
@@ -216,7 +217,7 @@ def consensus_key(cfg: AlignmentConfig, # the preset
                  ) -> dict:
     "Everything that changes build_consensus's targets — config, captions, the embedding store's cache key, stage code — known before embedding."
     return {"config": to_jsonable(cfg), "source_fingerprint": source.fingerprint,
-            "embeddings": embed_cache_key(source, roster(cfg.roster), None, cfg.shard_size, device, precision),
+            "embeddings": embed_cache_key(source, teacher_roster(cfg.roster), None, cfg.shard_size, device, precision),
             "stage_version": stage_version()}
 
 def _key_changes(old: dict | None, new: dict) -> list[str]:
@@ -248,7 +249,7 @@ def build_consensus(cfg: AlignmentConfig, # the preset (see AlignmentConfig)
             rebuilt_from = {"changes": changes, "frame": old.get("frame"), "fingerprint": _targets_fingerprint(old) if "shards" in old else None}
             mpath.unlink()                 # a half-rebuilt folder must never read as finished
         t0 = time.time()
-        store = embed_cached(source, roster(cfg.roster), batch_size=cfg.batch_size, shard_size=cfg.shard_size, device=device,
+        store = embed_cached(source, teacher_roster(cfg.roster), batch_size=cfg.batch_size, shard_size=cfg.shard_size, device=device,
                              precision=precision, progress=progress)
         return _build_consensus(cfg, folder, source, store, key, rebuilt_from, time.time() - t0, progress)
 

@@ -36,6 +36,7 @@ class TrainConfig:
     name: str = "cpu"
     encoder: str = "cpu"                 # EncoderConfig preset (out_dim follows the targets)
     alignment: str = "cpu"               # AlignmentConfig preset used when targets are built now
+    roster: Optional[str] = None         # the targets' teacher roster (a name of teachers.ROSTERS); None = the alignment preset's own
     batch_size: int = 256                # global batch: part of the InfoNCE objective
     max_steps: int = 800
     lr: float = 6e-4
@@ -58,6 +59,20 @@ class TrainConfig:
 
     PRESETS = ("smoke", "cpu", "published", "v2", "v2b")   # what `preset` accepts: the size names, then the named recipes
     ALIASES = {"published": "v2"}                           # a size name -> the recipe it means here
+
+    def __post_init__(self):
+        from captionbert.alignment import AlignmentConfig
+        own = AlignmentConfig.preset_roster(self.alignment)
+        if self.roster == own: object.__setattr__(self, "roster", None)   # the alignment preset's own roster is the default, named once
+        self.alignment_config()                                          # an unknown roster raises here, listing teachers.ROSTERS
+    def alignment_config(self):
+        "The AlignmentConfig the targets of this run are built with: the alignment preset, on this run's roster."
+        from captionbert.alignment import AlignmentConfig
+        return AlignmentConfig.preset(self.alignment, roster=self.roster)
+    def label(self, recipe: str # the run's recipe (smoke, cpu, v2, ...)
+             ) -> str:
+        "The run's name before its seed: the recipe, with the roster appended where it is not the alignment preset's own."
+        return recipe if self.roster is None else f"{recipe}-{self.roster}"
 
     @staticmethod
     def steps_for(rows: int, batch_size: int, epochs: int = 4) -> int:
@@ -411,14 +426,20 @@ def resolve_targets(spec: str, # "auto", "build", "hub:<dataset>", or a targets 
     from captionbert.alignment import AlignmentConfig
     from captionbert.consensus import build_consensus, load_targets
     from captionbert.data import runs_dir
+    acfg = cfg.alignment_config()
     if spec in ("auto", "build"):
-        folder = runs_dir(f"consensus-{cfg.alignment}") if spec == "auto" else Path(run_dir) / "targets"
-        build_consensus(AlignmentConfig.preset(cfg.alignment), folder, device=device)
-        return load_targets(folder, expect_frame=expect_frame)
-    if spec.startswith("hub:"):
+        folder = runs_dir(f"consensus-{acfg.label}") if spec == "auto" else Path(run_dir) / "targets"
+        build_consensus(acfg, folder, device=device)
+        tg = load_targets(folder, expect_frame=expect_frame)
+    elif spec.startswith("hub:"):
         from huggingface_hub import snapshot_download
-        return load_targets(snapshot_download(spec[4:], repo_type="dataset"), expect_frame=expect_frame)
-    return load_targets(spec, expect_frame=expect_frame)
+        tg = load_targets(snapshot_download(spec[4:], repo_type="dataset"), expect_frame=expect_frame)
+    else: tg = load_targets(spec, expect_frame=expect_frame)
+    built_on = tg.manifest["config"].get("roster")
+    if cfg.roster is not None and built_on != cfg.roster:
+        raise GuardError(f"the targets in {tg.folder} were built on the roster {built_on!r}, but this run names the roster {cfg.roster!r}: "
+                         f"pass targets='auto' (or 'build') to build {cfg.roster!r} targets, or drop roster to train on these")
+    return tg
 
 def caption_source(targets):
     "The caption source the targets were built from, reopened from their `captions` record (a hub source at its recorded commit)."
@@ -447,22 +468,23 @@ class ConsensusRun:
 
 def run_consensus_training(seed: int = 0, # the run's seed
                            preset: str = "auto", # auto, smoke, cpu, published, v2, v2b
-                           run_dir=None, # None: runs/05_train-<preset>-seed<seed>
+                           run_dir=None, # None: runs/05_train-<preset>-seed<seed> (05_train-<preset>-<roster>-seed<seed> for another roster)
                            targets: str = "auto", # auto, build, hub:<dataset>, or a targets folder
                            max_steps: Optional[int] = None, # override the preset's steps
                            device=None, resume: bool = True, progress: bool = True,
                            data_fraction: float = 1.0, # train on the first fraction of the corpus (v2 saw 82% of v2-B's rows)
                            allow_changes=(), # config keys a resume may change ("max_steps", ...), or True for any
                            tasks: Optional[Sequence[str]] = None, # score the exported student on these harness tasks when done
-                           sts_dir=None # STS folder for `tasks` (None: CAPTIONBERT_STS_DIR, the development copy, else the hub)
+                           sts_dir=None, # STS folder for `tasks` (None: CAPTIONBERT_STS_DIR, the development copy, else the hub)
+                           roster: Optional[str] = None # the teacher roster (teachers.ROSTERS); None = the alignment preset's own
                           ) -> ConsensusRun:
     "Targets -> tokenized captions -> student -> the one training loop (-> the harness); returns the run and the trained model."
     from captionbert.core import code_version, resolve_preset, sha256_bytes
     from captionbert.data import load_tokenizer, runs_dir, stratified_sample
     from captionbert.encoder import CaptionEncoder, EncoderConfig, n_params
     preset = TrainConfig.canonical(resolve_preset(preset, TrainConfig.PRESETS, published="v2", section="05_train"))
-    cfg = TrainConfig.preset(preset, **({"max_steps": int(max_steps)} if max_steps else {}))
-    run_path = Path(run_dir) if run_dir else runs_dir(f"05_train-{preset}-seed{seed}")
+    cfg = TrainConfig.preset(preset, roster=roster, **({"max_steps": int(max_steps)} if max_steps else {}))
+    run_path = Path(run_dir) if run_dir else runs_dir(f"05_train-{cfg.label(preset)}-seed{seed}")
     rank, world = _world()
     dev = pick_device(device) if not isinstance(device, torch.device) else device
     declared = json.loads((run_path / "config.json").read_text())["frame"] if (run_path / "config.json").exists() else None
@@ -589,6 +611,7 @@ def main(argv: Optional[Sequence[str]] = None):
     ap = argparse.ArgumentParser(prog="python -m captionbert.train", description="Consensus distillation of a CaptionBERT student.")
     ap.add_argument("--seed", type=int, default=0); ap.add_argument("--preset", default="auto")
     ap.add_argument("--run-dir", default=None); ap.add_argument("--targets", default="auto")
+    ap.add_argument("--roster", default=None, help="teacher roster (a name of teachers.ROSTERS); default: the preset's own")
     ap.add_argument("--max-steps", type=int, default=None); ap.add_argument("--device", default=None)
     ap.add_argument("--no-resume", action="store_true")
     ap.add_argument("--allow-changes", default="", help="comma-separated config keys a resume may change (e.g. max_steps)")
@@ -602,7 +625,7 @@ def main(argv: Optional[Sequence[str]] = None):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0))); device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     tasks = list(TASK_NAMES) if a.tasks == "all" else [t for t in a.tasks.split(",") if t]
     r = run_consensus_training(a.seed, a.preset, a.run_dir, a.targets, a.max_steps, device, resume=not a.no_resume,
-                               allow_changes={k for k in a.allow_changes.split(",") if k}, tasks=tasks or None)
+                               allow_changes={k for k in a.allow_changes.split(",") if k}, tasks=tasks or None, roster=a.roster)
     if _world()[0] == 0 and r.result.completed:
         folder = export_student(r) if not tasks else r.run.path / "export"
         print(f"{r.result}\nexported to {folder}\nrun directory: {r.run.path}")

