@@ -280,7 +280,10 @@ class AlignmentConfig:
     def cpu(cls): return cls(name="cpu")
     @classmethod
     def published(cls): return cls(name="published", roster="hub", captions="hub:CaptionEmporium/conceptual-captions-cc12m-llavanext:caption_llava",
-                                   limit=200_000, fit_n_over_d=24_000 / 768, batch_size=256, shard_size=65_536)
+                                   limit=31_905_616, fit_n_over_d=24_000 / 768, batch_size=256, shard_size=65_536)
+    # published: the whole v2-B corpus (31,905,616 rows; v2 trains on its first 26,904,576), one set of maps for both siblings,
+    # fit on 24k rows (N/d 31.3 at bert-base's 768) drawn from the whole corpus
+    REFERENCE_WIDTH: ClassVar[dict] = {"hub": 768, "offline": 384, "offline-mixed": 384, "offline-weak": 384}   # the targets' D per roster
     PRESETS: ClassVar[tuple] = SIZES         # the preset names: the one vocabulary of run sizes
 
     def __post_init__(self):

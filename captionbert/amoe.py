@@ -423,7 +423,8 @@ def greedy_roster(candidates: dict, # name -> Arm (trained candidates)
 
 # %% ../nbs/06_amoe.ipynb #653656b2
 PAIR_SOURCES = {"flickr": ("paraphrase", "simplification"),                 # pair source -> the task arms it trains
-                "grammar": ("equivalence", "simplification", "paraphrase")}
+                "grammar": ("equivalence", "simplification", "paraphrase"),
+                "hub": tuple(HUB_PAIRS)}                                     # published size: the hub pair sets of HUB_PAIRS
 
 @dataclasses.dataclass(frozen=True)
 class ArmStudyConfig:
@@ -436,27 +437,70 @@ class ArmStudyConfig:
     batch_size: int = 64                      # pairs a step (2x rows)
     lr: float = 1e-3                          # arm learning rate (warmup: a tenth of the steps)
     pairs: int = 8192                         # pairs a task
-    pair_source: str = "flickr"               # "flickr" (real captions of train images) or "grammar" (the scene grammar); see study_pairs
+    pair_source: str = "flickr"               # "flickr" (real captions of train images), "grammar" (the scene grammar) or "hub" (HUB_PAIRS); see study_pairs
     taus: tuple = (0.10, 0.05, 0.02)          # the temperature sweep; the first is the library's own
     sweep_seeds: tuple = (0, 1)               # seeds of the temperature sweep
     tasks: tuple = TASK_NAMES                 # the test sets every result is reported on
     dev_task: str = DEV_TASKS[0]              # the dev set every selection is made on (never reported as a result)
     retrieval_images: Optional[int] = None    # Flickr8k held-out images the retrieval task ranks (a seeded subset); None: all 1,000 a split
+    siblings: tuple = (("A", None, 0.82), ("B", None, 1.0))   # 07's two backbones: (name, 05_train preset or None = backbone_preset,
+                                              #   fraction of the captions, or None = the preset's own rows and steps)
     @classmethod
     def cpu(cls, **kw): return cls(**{"name": "cpu", **kw})
     @classmethod
     def smoke(cls, **kw): return cls(**{"name": "smoke", "backbone_preset": "smoke", "rank": 8, "steps": 15, "key_steps": 15, "batch_size": 32,
                                        "pairs": 512, "pair_source": "grammar", "retrieval_images": 100, "sweep_seeds": (0,), "tasks": ("stsb", "biosses"), **kw})
-    PRESETS = ("smoke", "cpu")
+    @classmethod
+    def published(cls, **kw):
+        "The published study: three arms of rank 132 (1,629,744 adapter parameters each) on the v2 trunk, the hub pair sets; 07's siblings v2 and v2-B."
+        return cls(**{"name": "published", "backbone_preset": "v2", "rank": 132, "pair_source": "hub",
+                      "steps": 2000, "batch_size": 256, "pairs": 131_072, "lr": 1e-3,  # not in the published documents: chosen here (4 epochs)
+                      "key_steps": 800,                                                # the published key re-alignment: 800 steps
+                      "sweep_seeds": (0, 1), "siblings": (("A", "v2", None), ("B", "v2b", None)), **kw})
+    PRESETS = ("smoke", "cpu", "published")
     @classmethod
     def preset(cls, name: str, **kw):
-        "A named preset: smoke or cpu (keyword overrides allowed)."
+        "A named preset: smoke, cpu or published (keyword overrides allowed)."
         if name not in cls.PRESETS: raise ValueError(f"unknown arm-study preset {name!r}: one of {list(cls.PRESETS)}")
         return getattr(cls, name)(**kw)
     def __post_init__(self):
         if self.dev_task in self.tasks: raise ValueError(f"the dev set {self.dev_task!r} cannot also be a reported test set ({self.tasks})")
         if not self.taus or not self.sweep_seeds: raise ValueError("the sweep needs at least one temperature and one seed")
         if self.pair_source not in PAIR_SOURCES: raise ValueError(f"unknown pair source {self.pair_source!r}: one of {list(PAIR_SOURCES)}")
+        from captionbert.train import TrainConfig
+        if len(self.siblings) != 2: raise ValueError(f"a transplant needs two sibling backbones, got {self.siblings}")
+        frames = {n: TrainConfig.preset(p).alignment for n, p, _ in self.sibling_runs()}   # the targets' alignment preset: their frame
+        if len(set(frames.values())) != 1:
+            raise ValueError(f"siblings must train on targets of one frame (one alignment preset), got {frames}: "
+                             "pick 05_train presets that share their alignment (v2 and v2b do)")
+    def sibling_runs(self) -> list:
+        "07's siblings: (name, 05_train preset, fraction of the captions or None for the preset's own rows and steps)."
+        return [(n, p or self.backbone_preset, f) for n, p, f in self.siblings]
+    def plan(self, section: str = "06_amoe", # the notebook the plan is for: 06_amoe or 07_transplant
+             seed: int = 0) -> dict:
+        "The dry-run plan of the study at this preset (keys of core.PLAN_KEYS, and the arms' sizes): no network, no GPU, nothing trained."
+        from captionbert.encoder import CaptionEncoder, EncoderConfig, n_params
+        from captionbert.train import TrainConfig
+        backbones = [self.backbone_preset] if section == "06_amoe" else [p for _, p, _ in self.sibling_runs()]
+        enc = {p: EncoderConfig.preset(TrainConfig.preset(p).encoder) for p in backbones}
+        if len({(e.hidden, e.layers) for e in enc.values()}) != 1: raise ValueError(f"the backbones {backbones} differ in width or depth")
+        e = enc[backbones[0]]
+        with torch.device("meta"): arm, trunk = Arm("plan", e.hidden, e.layers, self.rank), n_params(CaptionEncoder(e))
+        arms = PAIR_SOURCES[self.pair_source]
+        tc = self.train_config()
+        own = backbones if section == "06_amoe" else [p for _, p, f in self.sibling_runs() if f is None]   # others: 07 trains them itself
+        stages = [f"papermill nbs/05_train.ipynb out/05_train-{p}-seed{seed}.ipynb -p seed {seed} -p preset {p}" for p in own]
+        stages.append(f"papermill nbs/{section}.ipynb out/{section}-{self.name}-seed{seed}.ipynb -p seed {seed} -p preset {self.name}")
+        plan = {"preset": self.name, "section": section, "rows": self.pairs, "steps": self.steps, "batch_size": self.batch_size,
+                "epochs": round(self.steps * self.batch_size / self.pairs, 4), "warmup_steps": tc.warmup_steps,
+                "precision": "bf16" if self.name == "published" else "fp32",   # published: a CUDA GPU (fp16 where bf16 is not supported)
+                "stages": stages, "arms": list(arms), "rank": self.rank, "adapter_params_per_arm": arm.n_adapter_params,
+                "key_params": len(arms) * e.hidden, "trunk_params": trunk,
+                "trunk_with_library_params": trunk + len(arms) * (arm.n_adapter_params + e.hidden),
+                "pairs_from": {t: HUB_PAIRS[t][0] for t in arms} if self.pair_source == "hub" else self.pair_source,
+                "taus": list(self.taus), "sweep_seeds": list(self.sweep_seeds), "backbones": backbones}
+        if section == "07_transplant": plan.update(key_steps=self.key_steps, siblings=[list(s) for s in self.sibling_runs()])
+        return plan
     def train_config(self, steps: Optional[int] = None): # None: the arms' steps
         "The TrainConfig of one arm (or key re-alignment) run on the workbook's loop."
         from captionbert.train import TrainConfig
@@ -469,6 +513,8 @@ def study_pairs(cfg: ArmStudyConfig, seed: int = 0,
                ) -> tuple[dict, Optional[str]]:
     "The task arms' pairs of a study (task -> PairSet) and, when the Flickr file is missing and the grammar stands in, why."
     why = None
+    if cfg.pair_source == "hub":                 # published size: the hub (no fallback: a published run without its data must stop)
+        return {t: hub_pairs(*HUB_PAIRS[t], limit=cfg.pairs, task=t) for t in PAIR_SOURCES["hub"]}, None
     if cfg.pair_source == "flickr":
         why = flickr_unavailable() if table is None else None
         if why is None:

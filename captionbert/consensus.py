@@ -20,15 +20,15 @@ from . import alignment as _alignment
 from .alignment import AlignmentConfig, AlignmentMap, RowEmbeddings, fit_roster, frame_fingerprint, split_rows
 from .core import (GuardError, atomic_path, atomic_write_json, folder_lock, pick_device, pick_precision, sha256_bytes,
                               sha256_file, stage_hash, to_jsonable)
-from .data import load_tokenizer, stratified_sample, tokenize
+from .data import TokenStore, load_tokenizer, stratified_sample, token_store, tokenize
 from .gauges import effective_rank
 from .teachers import EmbeddingStore, TeacherGroup, embed_cache_key, embed_cached, reference_member, roster
 from .teachers import roster as teacher_roster   # the name the functions below use: a Run section's `roster` is a parameter
 
 # %% auto #0
-__all__ = ['consensus', 'write_targets', 'ConsensusTargets', 'load_targets', 'target_geometry', 'ShiftReport',
-           'distribution_shift', 'repair_gate', 'embeddings_fingerprint', 'stage_version', 'consensus_key',
-           'build_consensus']
+__all__ = ['consensus', 'write_targets', 'safetensors_memmap', 'TargetRows', 'ConsensusTargets', 'load_targets',
+           'target_geometry', 'geometry_rows', 'ShiftReport', 'distribution_shift', 'repair_gate',
+           'embeddings_fingerprint', 'stage_version', 'consensus_key', 'build_consensus']
 
 # %% ../nbs/04_consensus.ipynb #f17d40cb
 def consensus(aligned: dict # teacher -> [N, D] vectors in the reference frame
@@ -74,39 +74,103 @@ def _targets_fingerprint(manifest: dict) -> str:
     "One hash of a targets folder's vectors: their frame and every shard's sha256."
     return sha256_bytes(json.dumps([manifest["frame"], {k: s["sha256"] for k, s in sorted(manifest["shards"].items())}]).encode())
 
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64, "I32": np.int32}
+
+def safetensors_memmap(path: str | Path, # a safetensors file
+                       name: str # the tensor to map
+                      ) -> np.ndarray:
+    "One tensor of a safetensors file as a read-only numpy memmap: no copy, pages are read as rows are touched."
+    path = Path(path)
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little"); header = json.loads(f.read(n))
+    if name not in header: raise KeyError(f"{path} holds no tensor {name!r} (it has {sorted(k for k in header if k != '__metadata__')})")
+    h = header[name]; (a, b), shape = h["data_offsets"], tuple(h["shape"])
+    if h["dtype"] not in _ST_DTYPES: raise TypeError(f"{path}:{name} is {h['dtype']}; the memory-mapped reader takes {sorted(_ST_DTYPES)}")
+    dt = np.dtype(_ST_DTYPES[h["dtype"]])
+    if b - a != dt.itemsize * int(np.prod(shape)) or 8 + n + b > path.stat().st_size:
+        raise GuardError(f"{path}:{name}: the header says {shape} {h['dtype']} at bytes {a}..{b}, but the file holds "
+                         f"{path.stat().st_size} bytes; the shard is damaged")
+    if not np.prod(shape): return np.zeros(shape, dt)
+    return np.memmap(path, dtype=dt, mode="r", offset=8 + n + a, shape=shape)
+
+class TargetRows:
+    "Target vectors read by corpus row id from memory-mapped shards of contiguous rows; RAM holds only the rows a call returns."
+    def __init__(self, folder: Path, # a targets folder
+                 manifest: dict # its targets.json
+                ):
+        self.folder, spans = Path(folder), []
+        for k, s in manifest["shards"].items():
+            p = self.folder / "targets" / f"shard-{k}.safetensors"
+            if not p.exists(): raise GuardError(f"{p} (rows {s['rows'][0]}..{s['rows'][1]}) is missing; rebuild the targets")
+            vec, ids = safetensors_memmap(p, "targets"), safetensors_memmap(p, "row_ids")
+            lo, hi = s["rows"]
+            if not (len(vec) == len(ids) == s["n"] == hi - lo and (len(ids) == 0 or (ids[0] == lo and ids[-1] == hi - 1 and
+                                                                                     bool((np.diff(ids) == 1).all())))):
+                raise GuardError(f"{p}: targets.json says rows {lo}..{hi} ({s['n']} rows) but the shard holds {len(vec)} vectors with "
+                                 f"{len(ids)} row ids ({int(ids[0]) if len(ids) else None}..{int(ids[-1]) if len(ids) else None}): "
+                                 "the reader needs each shard to hold one contiguous range of rows; rebuild the targets")
+            spans.append((lo, hi, vec))
+        spans.sort(key=lambda x: x[0])
+        for (_, h0, _), (l1, _, _) in zip(spans, spans[1:]):
+            if l1 < h0: raise GuardError(f"{self.folder}: two shards both hold rows {l1}..{h0}; rebuild the targets")
+        self._lo = np.array([s[0] for s in spans], dtype=np.int64); self._hi = np.array([s[1] for s in spans], dtype=np.int64)
+        self._vec = [s[2] for s in spans]
+        self.dim = int(manifest["dim"]) if "dim" in manifest else int(self._vec[0].shape[1])
+    def __len__(self): return int((self._hi - self._lo).sum())
+    @property
+    def shape(self) -> tuple: return (len(self), self.dim)
+    def __repr__(self): return f"TargetRows({len(self)} rows x {self.dim}, {len(self._vec)} shards, memory-mapped)"
+    def row_ids(self) -> np.ndarray:
+        "Every row id held, ascending (8 bytes a row)."
+        return np.concatenate([np.arange(lo, hi) for lo, hi in zip(self._lo, self._hi)]) if len(self._lo) else np.zeros(0, np.int64)
+    def __getitem__(self, rows) -> torch.Tensor:
+        "The vectors of these corpus row ids, in that order: [n, D] float32 (a fresh tensor)."
+        ids = np.asarray(rows.cpu() if isinstance(rows, torch.Tensor) else rows, dtype=np.int64).reshape(-1)
+        w = np.searchsorted(self._lo, ids, side="right") - 1
+        held = (w >= 0) & (ids < self._hi[w.clip(0)]) if len(self._lo) else np.zeros(len(ids), bool)
+        if not held.all():
+            raise IndexError(f"{int((~held).sum())} of {len(ids)} rows (e.g. {ids[~held][:5].tolist()}) have no target in {self.folder} "
+                             f"(it holds {len(self)} rows): rows are corpus ids; use the rows the targets were built on")
+        out = np.empty((len(ids), self.dim), dtype=np.float32)
+        for s in np.unique(w):
+            m = w == s; out[m] = self._vec[s][ids[m] - self._lo[s]]
+        return torch.from_numpy(out)
+
 @dataclasses.dataclass
 class ConsensusTargets:
-    "Consensus target vectors of a corpus, with the frame and provenance they carry."
+    "Consensus target vectors of a corpus, read by row id from memory-mapped shards, with the frame and provenance they carry."
     folder: Path
-    targets: torch.Tensor            # [N, D] L2-normalized
-    row_ids: torch.Tensor            # [N] row ids in the caption source
+    targets: TargetRows              # targets[row ids] -> [n, D] L2-normalized, read from disk
     manifest: dict
     @property
     def frame(self) -> str: return self.manifest["frame"]
     @property
     def source_fingerprint(self) -> str: return self.manifest["source_fingerprint"]
     @property
+    def n_rows(self) -> int: return len(self.targets)
+    @property
+    def row_ids(self) -> torch.Tensor:
+        "Every row id with a target, ascending [N] (8 bytes a row in RAM)."
+        return torch.from_numpy(self.targets.row_ids())
+    @property
     def fingerprint(self) -> str:
         "One hash of the target vectors themselves (their frame and every shard's sha256): what a run that trained on them records."
         return _targets_fingerprint(self.manifest)
     def __repr__(self):
-        return (f"ConsensusTargets({self.folder}, n={len(self.row_ids)}, d={self.targets.shape[1]}, "
+        return (f"ConsensusTargets({self.folder}, n={self.n_rows}, d={self.targets.dim}, "
                 f"frame={self.frame[:12]}, reference={self.manifest['reference']})")
     def maps(self) -> dict:
         "The alignment maps that made these targets."
         return {t: AlignmentMap.load(self.folder / "maps" / f"{t}.safetensors") for t in self.manifest["maps"]}
     def for_rows(self, rows) -> torch.Tensor:
         "Targets of the given source row ids, in that order."
-        pos = torch.full((int(self.row_ids.max()) + 1,), -1, dtype=torch.long); pos[self.row_ids] = torch.arange(len(self.row_ids))
-        rows = torch.as_tensor(np.asarray(rows), dtype=torch.long)
-        if (rows >= len(pos)).any() or (pos[rows.clamp_max(len(pos) - 1)] < 0).any(): raise IndexError("some rows have no target")
-        return self.targets[pos[rows]]
+        return self.targets[rows]
 
 def load_targets(folder: str | Path, # a folder written by write_targets
                  expect_frame: str | None = None, # the frame fingerprint the run declares; None accepts any
-                 verify: bool = True # check every shard's sha256
+                 verify: bool = True # check every shard's sha256 (reads every shard once)
                 ) -> ConsensusTargets:
-    "Read consensus targets; GuardError if they live in another frame than the one expected, or a shard is damaged."
+    "Open consensus targets (memory-mapped); GuardError if they live in another frame than the one expected, or a shard is damaged."
     folder = Path(folder); mpath = folder / "targets.json"
     if not mpath.exists(): raise FileNotFoundError(f"{mpath} does not exist: build targets with 04_consensus (build_consensus) first")
     man = json.loads(mpath.read_text())
@@ -114,32 +178,32 @@ def load_targets(folder: str | Path, # a folder written by write_targets
         raise GuardError(f"the targets in {folder} live in frame {man['frame'][:12]}, but this run declares frame {expect_frame[:12]}: "
                          "targets from refit maps land in another frame with no signal in the loss (LAWS.md law 17). "
                          "Use the targets (or the maps) of the declared frame.")
-    parts, ids = [], []
     for k in sorted(man["shards"]):
         p = folder / "targets" / f"shard-{k}.safetensors"
         if verify and (not p.exists() or sha256_file(p) != man["shards"][k]["sha256"]):
-            raise GuardError(f"{p} is missing or does not match its sha256 in targets.json; rebuild the targets")
-        with safe_open(str(p), "pt") as f: parts.append(f.get_tensor("targets")); ids.append(f.get_tensor("row_ids"))
-    return ConsensusTargets(folder, torch.cat(parts), torch.cat(ids), man)
+            lo, hi = man["shards"][k]["rows"]
+            raise GuardError(f"{p} (rows {lo}..{hi}) is missing or does not match its sha256 in targets.json; rebuild the targets")
+    return ConsensusTargets(folder, TargetRows(folder, man), man)
 
 # %% ../nbs/04_consensus.ipynb #b2fd9a7c
 def target_geometry(targets: ConsensusTargets, # the consensus
-                    reference: RowEmbeddings, # the reference member's raw embeddings with their row ids (holding the targets' rows)
+                    reference: RowEmbeddings, # the reference member's raw embeddings with their row ids (holding the sampled rows)
                     sample: int = 8192, # rows measured (a seeded sample)
                     seed: int = 0) -> dict:
     "Effective rank of the consensus vs the reference's raw embeddings on the same rows, and per-shard spread."
-    g = torch.Generator().manual_seed(seed)
-    pick = torch.randperm(len(targets.row_ids), generator=g)[:sample]
-    rows = targets.row_ids[pick]
-    er_c, er_r = effective_rank(targets.targets[pick]), effective_rank(reference.take(rows))
-    per_shard, start = [], 0
+    rows = geometry_rows(targets, sample, seed)
+    er_c, er_r = effective_rank(targets.targets[rows]), effective_rank(reference.take(rows))
+    per_shard = []
     for k in sorted(targets.manifest["shards"]):
-        n = targets.manifest["shards"][k]["n"]
-        if n >= 64: per_shard.append(effective_rank(targets.targets[start:start + n][:sample]))
-        start += n
+        lo, hi = targets.manifest["shards"][k]["rows"]
+        if hi - lo >= 64: per_shard.append(effective_rank(targets.targets[np.arange(lo, min(hi, lo + sample))]))
     return {"rows": len(rows), "consensus_effective_rank": er_c, "reference_effective_rank": er_r, "ratio": er_c / er_r,
             "per_shard_min": min(per_shard) if per_shard else float("nan"), "per_shard_max": max(per_shard) if per_shard else float("nan"),
-            "shards": len(per_shard), "dim": targets.targets.shape[1]}
+            "shards": len(per_shard), "dim": targets.targets.dim}
+
+def geometry_rows(targets: ConsensusTargets, sample: int = 8192, seed: int = 0) -> torch.Tensor:
+    "The seeded sample of row ids target_geometry measures (load only these reference rows)."
+    return targets.row_ids[torch.randperm(targets.n_rows, generator=torch.Generator().manual_seed(seed))[:sample]]
 
 # %% ../nbs/04_consensus.ipynb #654dfdcb
 @dataclasses.dataclass(frozen=True)
@@ -207,7 +271,7 @@ def stage_version() -> str:
     "core.stage_hash of every function that decides the targets (row sampling, the fit, the centroid, the writer) and torch/numpy."
     return stage_hash(tokenize, stratified_sample, split_rows, AlignmentConfig.fit_rows_for, RowEmbeddings.load, RowEmbeddings.take,
                       _alignment._whiten_colour, _alignment.fit_alignment, _alignment.identity_map, fit_roster,
-                      AlignmentMap.__post_init__, AlignmentMap.apply, consensus, write_targets, target_geometry, _build_consensus,
+                      AlignmentMap.__post_init__, AlignmentMap.apply, consensus, write_targets, target_geometry, geometry_rows, TokenStore.build, _build_consensus,
                       libs=("torch", "numpy"))
 
 def consensus_key(cfg: AlignmentConfig, # the preset
@@ -255,7 +319,7 @@ def build_consensus(cfg: AlignmentConfig, # the preset (see AlignmentConfig)
 
 def _build_consensus(cfg, folder, source, store, key, rebuilt_from, t_embed, progress):
     ref = reference_member(store.specs).name
-    lengths = np.array([len(x) for x in tokenize(load_tokenizer(), list(source))])
+    lengths = token_store(source, load_tokenizer(), progress=progress).lengths      # memory-mapped: one streamed pass, cached
     width = store.manifest["dims"][ref]
     fit_rows, eval_rows = split_rows(lengths, cfg, width)
     t0 = time.time()
@@ -276,7 +340,7 @@ def _build_consensus(cfg, folder, source, store, key, rebuilt_from, t_embed, pro
     want = consensus({t: maps[t].apply(RowEmbeddings.load(store, t, rows=probe).take(probe)) for t in store.teachers})
     if not torch.allclose(tg.for_rows(probe), want, atol=1e-5):
         raise GuardError(f"{folder}: the targets written for rows {probe[:5].tolist()}... are not the consensus of their stored teacher vectors; rebuild")
-    geo = target_geometry(tg, RowEmbeddings.load(store, ref), seed=cfg.seed)
+    geo = target_geometry(tg, RowEmbeddings.load(store, ref, rows=geometry_rows(tg, seed=cfg.seed)), seed=cfg.seed)
     tg.manifest.update(geometry=geo, timings_s={**tg.manifest["timings_s"], "write": round(t_write, 2)})
     atomic_write_json(Path(folder) / "targets.json", tg.manifest)
     return load_targets(folder)

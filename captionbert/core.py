@@ -5,7 +5,7 @@
 # %% ../nbs/00_core.ipynb #4864af8a
 from __future__ import annotations
 
-import contextlib, dataclasses, hashlib, json, os, random, subprocess, tempfile, time, warnings
+import contextlib, dataclasses, hashlib, json, os, random, subprocess, sys, tempfile, time, warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -13,9 +13,9 @@ import numpy as np
 import torch
 
 # %% auto #0
-__all__ = ['PRECISIONS', 'SIZES', 'GuardError', 'set_seed', 'pick_device', 'pick_precision', 'autocast', 'sha256_file',
-           'sha256_bytes', 'atomic_path', 'atomic_write_bytes', 'to_jsonable', 'atomic_write_json', 'folder_lock',
-           'code_version', 'stage_hash', 'resolve_preset', 'RunDir']
+__all__ = ['PRECISIONS', 'SIZES', 'PLAN_KEYS', 'GuardError', 'set_seed', 'pick_device', 'pick_precision', 'autocast',
+           'sha256_file', 'sha256_bytes', 'atomic_path', 'atomic_write_bytes', 'to_jsonable', 'atomic_write_json',
+           'folder_lock', 'code_version', 'stage_hash', 'resolve_preset', 'emit_plan', 'RunDir']
 
 # %% ../nbs/00_core.ipynb #03855c84
 class GuardError(RuntimeError):
@@ -189,6 +189,35 @@ def resolve_preset(preset: str = "auto", # "auto", or a preset name of the secti
     if preset not in available:
         raise ValueError(f"unknown preset {preset!r} for {section}; the presets are {list(available)} (or 'auto')")
     return preset
+
+# %% ../nbs/00_core.ipynb #00c1a414
+PLAN_KEYS = ("preset", "section", "rows", "steps", "batch_size", "epochs", "warmup_steps", "precision", "stages")
+
+def emit_plan(plan: dict, # a resolved plan: every key of PLAN_KEYS, plus any the section adds
+              file=None, # where the JSON line goes (stdout when None)
+             ) -> dict:
+    "Check a dry-run plan's common keys, print it as one JSON line, and return it as plain JSON values."
+    if not isinstance(plan, dict): raise TypeError(f"a plan is a dict, got {type(plan).__name__}")
+    missing = [k for k in PLAN_KEYS if k not in plan]
+    if missing: raise ValueError(f"the plan lacks {missing}; a dry-run plan needs every key of PLAN_KEYS {list(PLAN_KEYS)}")
+    p = to_jsonable(plan)
+    for k in ("preset", "section"):
+        if not isinstance(p[k], str) or not p[k]: raise ValueError(f"plan[{k!r}] must be a non-empty string, got {p[k]!r}")
+    for k in ("rows", "steps", "batch_size", "warmup_steps"):
+        if not isinstance(p[k], int) or isinstance(p[k], bool) or p[k] < 0:
+            raise ValueError(f"plan[{k!r}] must be a non-negative int, got {p[k]!r}")
+    if p["precision"] not in PRECISIONS: raise ValueError(f"plan['precision'] must be one of {list(PRECISIONS)}, got {p['precision']!r}")
+    if p["warmup_steps"] > p["steps"]: raise ValueError(f"plan warms up for {p['warmup_steps']} steps but runs only {p['steps']}")
+    if not (isinstance(p["stages"], list) and p["stages"] and all(isinstance(s, str) and s.strip() for s in p["stages"])):
+        raise ValueError(f"plan['stages'] must be a non-empty list of command strings, got {p['stages']!r}")
+    if p["steps"] and (not p["rows"] or not p["batch_size"]):
+        raise ValueError(f"a plan of {p['steps']} steps needs rows > 0 and batch_size > 0 (got rows={p['rows']}, batch_size={p['batch_size']})")
+    want = p["steps"] * p["batch_size"] / p["rows"] if p["steps"] else 0.0
+    if not isinstance(p["epochs"], (int, float)) or isinstance(p["epochs"], bool) or abs(p["epochs"] - want) > 0.005 * max(want, 1e-9):
+        raise ValueError(f"plan['epochs'] = {p['epochs']!r} but steps x batch_size / rows = {p['steps']} x {p['batch_size']} / "
+                         f"{p['rows']} = {want:.4f}; report the epochs the steps actually make (within 0.5%)")
+    print(json.dumps(p), file=file or sys.stdout, flush=True)
+    return p
 
 # %% ../nbs/00_core.ipynb #72e4f78c
 class RunDir:

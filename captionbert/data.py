@@ -19,12 +19,13 @@ from .core import GuardError, sha256_bytes, sha256_file
 # %% auto #0
 __all__ = ['STS_DIR_VAR', 'CAPTIONS_VAR', 'CACHE_VAR', 'BERT_TOKENIZER_HUB', 'MAX_TOKENS', 'NOUNS', 'COLOURS', 'SIZE_WORDS',
            'MATERIALS', 'RELATIONS', 'ATTRIBUTE_KINDS', 'SYNTHETIC_SPEC', 'HUB_SPEC', 'FLICKR_IMAGES_VAR',
-           'FLICKR_SPLITS', 'FLICKR_HEADER', 'CAPTION_PAIR_KINDS', 'repo_root', 'find_data', 'cache_dir', 'runs_dir',
-           'bundled_minilm_path', 'load_tokenizer', 'TextFileCaptions', 'resolve_hub_revision', 'HubCaptions',
-           'SceneObject', 'Scene', 'SceneGrammar', 'open_captions', 'reopen_captions', 'default_captions',
-           'FlickrImages', 'read_flickr_images', 'load_flickr_images', 'flickr_unavailable', 'PairSet',
-           'assert_train_only', 'caption_pairs', 'tokenize', 'Batch', 'collate', 'sorted_batches',
-           'LengthBucketSampler', 'padding_report', 'stratified_sample']
+           'FLICKR_SPLITS', 'FLICKR_HEADER', 'CAPTION_PAIR_KINDS', 'TOKEN_FILES', 'repo_root', 'find_data', 'cache_dir',
+           'runs_dir', 'bundled_minilm_path', 'load_tokenizer', 'TextFileCaptions', 'resolve_hub_revision',
+           'HubCaptions', 'SceneObject', 'Scene', 'SceneGrammar', 'open_captions', 'reopen_captions',
+           'default_captions', 'FlickrImages', 'read_flickr_images', 'load_flickr_images', 'flickr_unavailable',
+           'PairSet', 'assert_train_only', 'caption_pairs', 'tokenize', 'Batch', 'collate', 'sorted_batches',
+           'LengthBucketSampler', 'padding_report', 'tokenizer_fingerprint', 'TokenStore', 'token_store_key',
+           'token_store', 'stratified_sample']
 
 # %% ../nbs/01_data.ipynb #b68a476c
 STS_DIR_VAR = "CAPTIONBERT_STS_DIR"        # folder of <task>.tsv files for the benchmark
@@ -529,6 +530,166 @@ def padding_report(lengths: Sequence[int], # token length of each row
     return {"padded_frac_bucketed": bucketed, "padded_frac_naive": naive,
             "padded_frac_fixed": float(1 - lengths[used].sum() / (len(used) * ceiling)),
             "real_tokens": real, "slots_bucketed": slots, "rows": int(len(used))}
+
+# %% ../nbs/01_data.ipynb #b0a37853
+def tokenizer_fingerprint(tokenizer) -> str:
+    "16-hex hash of what decides a tokenizer's ids: its class and its whole definition (vocabulary, normalizer, pre-tokenizer)."
+    import json
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:                            # a fast tokenizer: its JSON, less the per-call truncation/padding state
+        spec = json.loads(backend.to_str()); spec.pop("truncation", None); spec.pop("padding", None)
+        spec = json.dumps(spec, sort_keys=True)
+    elif hasattr(tokenizer, "get_vocab"): spec = json.dumps(sorted(tokenizer.get_vocab().items()))
+    else: raise TypeError(f"cannot fingerprint a {type(tokenizer).__name__}: pass a Hugging Face tokenizer (or one with get_vocab())")
+    return sha256_bytes(f"{type(tokenizer).__name__}\n{spec}".encode())[:16]
+
+TOKEN_FILES = {"tokens": "tokens.bin", "offsets": "offsets.bin", "lengths": "lengths.bin"}   # array -> file of a token store
+
+class TokenStore:
+    "Token ids of every row of a corpus, flat (row i = tokens[offsets[i]:offsets[i+1]]): in RAM, or memory-mapped from a folder."
+    def __init__(self, tokens: np.ndarray, # [T] every row's ids, concatenated
+                 offsets: np.ndarray, # [N+1] int64, offsets[0] = 0, offsets[-1] = T
+                 lengths: np.ndarray | None = None, # [N] tokens per row (None: from offsets)
+                 manifest: dict | None = None, # what a folder's store.json says (None in RAM)
+                 folder: Path | None = None):
+        if len(offsets) < 1 or int(offsets[0]) != 0 or int(offsets[-1]) != len(tokens):
+            raise ValueError(f"offsets must run from 0 to the {len(tokens)} tokens, got {int(offsets[0]) if len(offsets) else None}.."
+                             f"{int(offsets[-1]) if len(offsets) else None}: the store is damaged; rebuild it")
+        self.tokens, self.offsets, self.manifest, self.folder = tokens, offsets, manifest or {}, folder
+        self.lengths = np.diff(offsets) if lengths is None else lengths
+        if len(self.lengths) != len(self): raise ValueError(f"{len(self.lengths)} lengths for {len(self)} rows: rebuild the store")
+    def __len__(self): return len(self.offsets) - 1
+    def __repr__(self):
+        where = f"memory-mapped {self.folder}" if self.folder else "in RAM"
+        return f"TokenStore({len(self)} rows, {len(self.tokens)} tokens, {where})"
+    def __getitem__(self, i) -> np.ndarray:
+        "Token ids of row `i` (int64)."
+        i = int(i)
+        if not 0 <= i < len(self): raise IndexError(f"row {i} is outside the store's {len(self)} rows")
+        return np.asarray(self.tokens[self.offsets[i]:self.offsets[i + 1]], dtype=np.int64)
+    def batch(self, rows) -> Batch:
+        "The right-padded batch of these row ids."
+        return collate([self[int(r)] for r in rows], rows)
+    @property
+    def fingerprint(self) -> str | None:
+        "The store's key (source, tokenizer, ceiling, stage code) for a built store; None in RAM."
+        return self.manifest.get("key")
+
+    @classmethod
+    def from_texts(cls, tokenizer, texts: Sequence[str], # captions, in row order
+                   max_tokens: int = MAX_TOKENS, # the ceiling
+                   chunk: int = 100_000 # rows tokenized at a time
+                  ) -> "TokenStore":
+        "A store in RAM from a list of texts (small corpora and tests)."
+        ids = []
+        for i in range(0, len(texts), chunk): ids += tokenize(tokenizer, texts[i:i + chunk], max_tokens)
+        lens = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+        return cls(np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(lens.sum())),
+                   np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
+
+    @classmethod
+    def build(cls, source, # a caption source (iterable of str, in row order; a fingerprint and describe() when it has them)
+              tokenizer, folder: str | Path, # the store's final folder (must not hold a store yet)
+              max_tokens: int = MAX_TOKENS, # the ceiling
+              chunk: int = 20_000, # rows tokenized at a time: RAM holds one chunk
+              key: str | None = None, # the cache key to record (token_store_key)
+              progress: bool = True) -> "TokenStore":
+        "Tokenize `source` in one streamed pass into `folder` (built under a temporary name, renamed when complete)."
+        import json, shutil
+        from tqdm.auto import tqdm
+        from captionbert.core import atomic_write_json
+        folder = Path(folder)
+        if (folder / "store.json").exists(): raise FileExistsError(f"{folder} already holds a token store; open it with TokenStore.open")
+        if not 0 < max_tokens < 2**16: raise ValueError(f"max_tokens must lie in 1..65535 (lengths are uint16), got {max_tokens}")
+        dtype = np.uint16 if len(tokenizer) <= 2**16 else np.int32
+        tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp"); shutil.rmtree(tmp, ignore_errors=True); tmp.mkdir(parents=True)
+        try:
+            n, total = 0, 0
+            files = {k: open(tmp / f, "wb") for k, f in TOKEN_FILES.items()}
+            try:
+                files["offsets"].write(np.zeros(1, np.int64).tobytes())
+                it, bar = iter(source), tqdm(desc="tokenizing", unit="row", disable=not progress)
+                while texts := list(itertools.islice(it, chunk)):
+                    ids = tokenize(tokenizer, texts, max_tokens)
+                    lens = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+                    files["tokens"].write(np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(lens.sum())).tobytes())
+                    files["offsets"].write((total + np.cumsum(lens)).astype(np.int64).tobytes())
+                    files["lengths"].write(lens.astype(np.uint16).tobytes())
+                    n, total = n + len(ids), total + int(lens.sum()); bar.update(len(ids))
+                bar.close()
+                for f in files.values(): f.flush(); os.fsync(f.fileno())
+            finally:
+                for f in files.values(): f.close()
+            expected = len(source) if hasattr(source, "__len__") else None
+            if expected is not None and n != expected:
+                raise ValueError(f"{source!r} yielded {n} rows but says it has {expected}: a limit beyond the end of the data, "
+                                 "or a source that changed while it was read; fix the source's limit")
+            if n == 0: raise ValueError(f"{source!r} yielded no rows: nothing to tokenize")
+            manifest = {"key": key, "n_rows": n, "n_tokens": total, "dtype": np.dtype(dtype).name, "max_tokens": max_tokens,
+                        "tokenizer": tokenizer_fingerprint(tokenizer),
+                        "source_fingerprint": getattr(source, "fingerprint", None),
+                        "source": source.describe() if hasattr(source, "describe") else repr(source),
+                        "files": {k: {"name": f, "bytes": (tmp / f).stat().st_size, "sha256": sha256_file(tmp / f)} for k, f in TOKEN_FILES.items()}}
+            atomic_write_json(tmp / "store.json", manifest)
+            os.replace(tmp, folder)                    # the whole folder appears at once, or not at all
+        finally: shutil.rmtree(tmp, ignore_errors=True)
+        return cls.open(folder)
+
+    @classmethod
+    def open(cls, folder: str | Path, # a folder written by TokenStore.build
+             verify: bool = False # also check every file's sha256 (reads the whole store)
+            ) -> "TokenStore":
+        "Memory-map a built store read-only; sizes (and with verify, sha256) are checked against store.json."
+        import json
+        folder = Path(folder); mpath = folder / "store.json"
+        if not mpath.exists(): raise FileNotFoundError(f"{mpath} does not exist: {folder} is not a finished token store; build it with token_store")
+        man = json.loads(mpath.read_text())
+        n, t = man["n_rows"], man["n_tokens"]
+        want = {"tokens": (np.dtype(man["dtype"]), t), "offsets": (np.dtype(np.int64), n + 1), "lengths": (np.dtype(np.uint16), n)}
+        arrays = {}
+        for k, (dt, count) in want.items():
+            p, rec = folder / man["files"][k]["name"], man["files"][k]
+            size = p.stat().st_size if p.exists() else None
+            if size != dt.itemsize * count or size != rec["bytes"]:
+                raise GuardError(f"{p} holds {size} bytes but store.json expects {dt.itemsize * count} ({count} x {dt.name}): the store is "
+                                 "damaged or cut short; delete the folder and rebuild it")
+            if verify and sha256_file(p) != rec["sha256"]:
+                raise GuardError(f"{p} does not match its sha256 in store.json: the store is damaged; delete the folder and rebuild it")
+            arrays[k] = np.memmap(p, dtype=dt, mode="r", shape=(count,)) if count else np.zeros(0, dt)
+        return cls(arrays["tokens"], arrays["offsets"], arrays["lengths"], man, folder)
+
+def token_store_key(source, # a caption source (its fingerprint names its content)
+                    tokenizer, max_tokens: int = MAX_TOKENS) -> str:
+    "16-hex cache key of a token store: the source's fingerprint, the tokenizer's, the ceiling and the stage code."
+    import json
+    from captionbert.core import stage_hash
+    fp = getattr(source, "fingerprint", None)
+    if fp is None: raise TypeError(f"{type(source).__name__} has no fingerprint; a token store is keyed by its source's content")
+    code = stage_hash(tokenize, TokenStore.build, TokenStore.open, libs=("numpy", "tokenizers"))
+    return sha256_bytes(json.dumps({"source": fp, "tokenizer": tokenizer_fingerprint(tokenizer), "max_tokens": max_tokens,
+                                    "code": code}, sort_keys=True).encode())[:16]
+
+def token_store(source, # a caption source
+                tokenizer=None, # None: load_tokenizer()
+                max_tokens: int = MAX_TOKENS, # the ceiling
+                folder: str | Path | None = None, # None: cache_dir("tokens", <source name>-<key>)
+                progress: bool = True) -> TokenStore:
+    "The memory-mapped token store of `source`, built once (concurrent callers wait for one builder) and reopened after."
+    from captionbert.core import folder_lock
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer()
+    key = token_store_key(source, tokenizer, max_tokens)
+    if folder is None:
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in getattr(source, "name", "captions"))[:60]
+        folder = cache_dir("tokens") / f"{safe}-{key}"
+    folder = Path(folder)
+    with folder_lock(folder.parent / ".locks" / folder.name):
+        if (folder / "store.json").exists():
+            store = TokenStore.open(folder)
+            if store.fingerprint != key:
+                raise GuardError(f"{folder} holds the token store {store.fingerprint} but this source and tokenizer key to {key}: "
+                                 "pass another folder (or folder=None for the cache)")
+            return store
+        return TokenStore.build(source, tokenizer, folder, max_tokens, key=key, progress=progress)
 
 # %% ../nbs/01_data.ipynb #4a731ab7
 def stratified_sample(lengths: Sequence[int], # length of each row (tokens or words)

@@ -7,7 +7,7 @@
 # %% ../nbs/05a_perf.ipynb #fbdc220d
 from __future__ import annotations
 
-import argparse, json, statistics, time
+import argparse, dataclasses, json, statistics, time
 from typing import Sequence
 
 import numpy as np
@@ -23,7 +23,7 @@ from .train import TrainConfig
 
 # %% auto #0
 __all__ = ['PARAM_TOLERANCE', 'STEP', 'MATMUL_OPS', 'BertTwin', 'check_same_size', 'summarize', 'train_step_benchmark',
-           'profile_step', 'model_flops_per_step', 'main']
+           'routed_step_benchmark', 'profile_step', 'model_flops_per_step', 'main']
 
 # %% ../nbs/05a_perf.ipynb #adcdd9ae
 PARAM_TOLERANCE = 0.01  # the twin's parameter count may differ from the encoder's by at most this fraction of it
@@ -96,23 +96,42 @@ def _pair(cfg, device):
     return {"captionbert": ours, "bert": bert}, params
 
 def summarize(steps: Sequence[dict], # the per-step record: {"rows", "captionbert": {"s", "tokens"}, "bert": {"s", "tokens"}}
+              names: tuple = ("captionbert", "bert") # (the model measured, its reference): the record's two keys
              ) -> dict:
     "Throughputs and ratios computed from a per-step timing record (the benchmark's figures; a reader can recompute them)."
+    ours, ref = names
     for r in steps:
-        if r["captionbert"]["tokens"] != r["bert"]["tokens"]:
-            raise ValueError(f"round {r['round']} batch {r['batch']}: captionbert stepped on {r['captionbert']['tokens']} tokens, bert on "
-                             f"{r['bert']['tokens']}; a ratio is only meaningful on the same batches.")
-    rows, real = sum(r["rows"] for r in steps), sum(r["captionbert"]["tokens"] for r in steps)
+        if r[ours]["tokens"] != r[ref]["tokens"]:
+            raise ValueError(f"round {r['round']} batch {r['batch']}: {ours} stepped on {r[ours]['tokens']} tokens, {ref} on "
+                             f"{r[ref]['tokens']}; a ratio is only meaningful on the same batches.")
+    rows, real = sum(r["rows"] for r in steps), sum(r[ours]["tokens"] for r in steps)
     out = {}
-    for k in ("captionbert", "bert"):
+    for k in names:
         t = [r[k]["s"] for r in steps]
         out[k] = {"total_s": round(sum(t), 6), "samples_per_s": round(rows / sum(t), 2), "tokens_per_s": round(real / sum(t), 1),
                   "median_step_ms": round(1000 * statistics.median(t), 2)}
-    pair = [r["bert"]["s"] / r["captionbert"]["s"] for r in steps]             # same batch, back to back
-    out["train_step_ratio_vs_bert"] = round(sum(r["bert"]["s"] for r in steps) / sum(r["captionbert"]["s"] for r in steps), 4)  # > 1: captionbert is faster
+    pair = [r[ref]["s"] / r[ours]["s"] for r in steps]                        # same batch, back to back
+    out[f"train_step_ratio_vs_{ref}"] = round(sum(r[ref]["s"] for r in steps) / sum(r[ours]["s"] for r in steps), 4)  # > 1: ours is faster
     out["pair_ratio_median"] = round(statistics.median(pair), 4)
     out["pair_ratio_p10_p90"] = [round(float(np.percentile(pair, 10)), 4), round(float(np.percentile(pair, 90)), 4)]
     return out
+
+def _alternate(models: dict, # name -> model, in training mode on `device`
+               batches: Sequence, device, precision, tc: TrainConfig, rounds: int, warmup: int) -> list[dict]:
+    "The timing record: untimed warm-up steps, then every batch once a round, the models back to back, alternating who goes first."
+    trainers = {k: _trainer(m, device, precision, tc) for k, m in models.items()}
+    for k, m in models.items():
+        for b in batches[:warmup]: _step(m, *trainers[k], b, device, precision, tc)
+    names, steps = list(models), []
+    for r in range(rounds):
+        for i, b in enumerate(batches):
+            order = names if (i + r) % 2 == 0 else names[::-1]              # alternate who goes first
+            rec = {"round": r, "batch": i, "first": order[0], "rows": int(b.input_ids.shape[0]), "length": int(b.input_ids.shape[1])}
+            for k in order:
+                s, tokens = _step(models[k], *trainers[k], b, device, precision, tc)
+                rec[k] = {"s": round(s, 6), "tokens": tokens}
+            steps.append(rec)
+    return steps
 
 def train_step_benchmark(cfg: EncoderConfig, # the architecture to measure
                          batches: Sequence, # Batch objects (the same for both models)
@@ -124,19 +143,8 @@ def train_step_benchmark(cfg: EncoderConfig, # the architecture to measure
     "Full training-step throughput of CaptionEncoder and its BertTwin on the same batches, and their ratio."
     device = pick_device(device); precision = pick_precision(device, precision); tc = train_cfg or TrainConfig()
     models, params = _pair(cfg, device)
-    trainers = {k: _trainer(m, device, precision, tc) for k, m in models.items()}
     batches = [b.to(device) for b in batches]
-    for k, m in models.items():
-        for b in batches[:warmup]: _step(m, *trainers[k], b, device, precision, tc)
-    steps = []
-    for r in range(rounds):
-        for i, b in enumerate(batches):
-            order = ("captionbert", "bert") if (i + r) % 2 == 0 else ("bert", "captionbert")   # alternate who goes first
-            rec = {"round": r, "batch": i, "first": order[0], "rows": int(b.input_ids.shape[0]), "length": int(b.input_ids.shape[1])}
-            for k in order:
-                s, tokens = _step(models[k], *trainers[k], b, device, precision, tc)
-                rec[k] = {"s": round(s, 6), "tokens": tokens}
-            steps.append(rec)
+    steps = _alternate(models, batches, device, precision, tc, rounds, warmup)
     out = summarize(steps)
     for k in ("captionbert", "bert"): out[k] = {"params": params[k], **out[k]}
     real = sum(r["captionbert"]["tokens"] for r in steps); slots = sum(b.input_ids.numel() for b in batches) * rounds
@@ -144,6 +152,27 @@ def train_step_benchmark(cfg: EncoderConfig, # the architecture to measure
                param_ratio_bert_vs_captionbert=round(params["bert"] / params["captionbert"], 6),
                device=str(device), precision=precision, threads=torch.get_num_threads(), steps_timed=len(steps),
                real_tokens=real, padded_tokens=slots - real, steps=steps)
+    return out
+
+def routed_step_benchmark(cfg: EncoderConfig, # the architecture; timed with a dense FFN (a2) and with the anchored FFN (a1)
+                          batches: Sequence, # Batch objects (the same for both models)
+                          device=None, precision: str | None = None,
+                          rounds: int = 3, # passes over the batches; each model alternates per batch
+                          warmup: int = 2, # untimed steps per model first
+                          train_cfg: TrainConfig | None = None # as in train_step_benchmark
+                         ) -> dict:
+    "Full training-step throughput of the anchored trunk (AlephLM's a1) against the dense trunk (a2) of one config, on the same batches."
+    device = pick_device(device); precision = pick_precision(device, precision); tc = train_cfg or TrainConfig()
+    cfgs = {"anchored": dataclasses.replace(cfg, ffn="anchored"), "dense": dataclasses.replace(cfg, ffn="dense")}
+    models = {}
+    for k, c in cfgs.items(): set_seed(0); models[k] = CaptionEncoder(c).to(device).train()
+    batches = [b.to(device) for b in batches]
+    steps = _alternate(models, batches, device, precision, tc, rounds, warmup)
+    out = summarize(steps, ("anchored", "dense"))
+    for k, m in models.items(): out[k] = {"params": n_params(m), **out[k]}
+    out["step_time_ratio_a1_vs_a2"] = round(out["anchored"]["total_s"] / out["dense"]["total_s"], 4)   # < 1: the anchored trunk is faster
+    out.update(step=STEP, device=str(device), precision=precision, threads=torch.get_num_threads(), steps_timed=len(steps),
+               real_tokens=sum(r["anchored"]["tokens"] for r in steps), steps=steps)
     return out
 
 def profile_step(cfg: EncoderConfig, # the architecture to measure
@@ -202,6 +231,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--profile", action="store_true", help="instead of timing, profile --profile-steps steps of each model (CPU only): "
                     "the share of step time in matrix multiplies")
     ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--anchored", action="store_true", help="instead of the BERT twin, time the anchored trunk (AlephLM's a1) against "
+                    "the dense one (a2) of the preset: key step_time_ratio_a1_vs_a2")
     a = ap.parse_args(argv)
     cfg = EncoderConfig.preset(a.preset)
     src = default_captions(verbose=False)
@@ -212,7 +243,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     pad = padding_report(lengths, plan)
     batches = [collate([ids[i] for i in rows], rows) for rows in plan[:a.batches]]
     head = {"preset": a.preset, "batch_size": a.batch_size, "captions": repr(src), "torch": torch.__version__}
-    if a.profile:
+    if a.anchored:
+        res = {**head, **routed_step_benchmark(cfg, batches, device=a.device, precision=a.precision, rounds=a.rounds)}
+    elif a.profile:
         res = {**head, **profile_step(cfg, batches, device=a.device or "cpu", precision=a.precision, steps=a.profile_steps)}
     else:
         res = {**head, **train_step_benchmark(cfg, batches, device=a.device, precision=a.precision, rounds=a.rounds),

@@ -12,20 +12,21 @@ from typing import Sequence
 
 import numpy as np
 import torch
+import torch.distributed
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from .core import GuardError, stage_hash, atomic_path, atomic_write_json, autocast, folder_lock, pick_device, pick_precision, sha256_bytes, sha256_file
-from .data import bundled_minilm_path, cache_dir, collate, load_tokenizer, sorted_batches
+from .data import bundled_minilm_path, cache_dir, collate, load_tokenizer, open_captions, sorted_batches
 
 # %% auto #0
 __all__ = ['HUB_TEACHERS', 'ROSTERS', 'TEACHERS_EXTRA', 'PARAPHRASE_DIST', 'PARAPHRASE_ONNX', 'GLOVE_MODULE', 'CONVERT_VERSION',
            'STATIC_FAMILIES', 'TeacherSpec', 'offline_teachers', 'paraphrase_teachers', 'glove_teacher', 'roster',
            'reference_member', 'missing_extra', 'paraphrase_minilm_onnx', 'glove_root', 'onnx_bert_weights',
            'convert_onnx_bert', 'GloveTokenizer', 'WordVectors', 'load_glove', 'load_source', 'embed_stage_version',
-           'mean_pool', 'TeacherGroup', 'load_teachers', 'EmbeddingStore', 'embed_corpus', 'embed_cache_key',
-           'embed_cached']
+           'mean_pool', 'TeacherGroup', 'load_teachers', 'EmbeddingStore', 'dist_world', 'shard_rows', 'embed_corpus',
+           'merge_shards', 'embed_cache_key', 'embed_cached', 'main']
 
 # %% ../nbs/01a_teachers.ipynb #d79a4f64
 @dataclasses.dataclass(frozen=True)
@@ -270,7 +271,7 @@ def embed_stage_version() -> str:
     from captionbert import core as c, data as d, teachers as t   # the library's code (a notebook cell has no source file)
     return stage_hash(t.TeacherGroup.__init__, t.TeacherGroup.encode, t.mean_pool, t.load_source, t.convert_onnx_bert,
                       t.onnx_bert_weights, t.GloveTokenizer, t.WordVectors, t.load_glove, d.collate, d.sorted_batches,
-                      c.autocast, t._embed_corpus, libs=("torch", "transformers", "numpy"))
+                      c.autocast, t._embed_shards, libs=("torch", "transformers", "numpy"))
 
 def mean_pool(hidden: torch.Tensor, # [B, L, D] hidden states
               mask: torch.Tensor # [B, L] 1 on real tokens
@@ -331,11 +332,11 @@ def load_teachers(specs: Sequence[TeacherSpec], # a roster
 
 # %% ../nbs/01a_teachers.ipynb #7e2f7859
 class EmbeddingStore:
-    "Read side of a sharded teacher-embedding folder."
+    "Read side of a merged, verified teacher-embedding folder (see merge_shards)."
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
         p = self.folder / "manifest.json"
-        if not p.exists(): raise FileNotFoundError(f"{p} does not exist: run embed_corpus into {self.folder} first")
+        if not p.exists(): raise FileNotFoundError(f"{p} does not exist: run embed_corpus (or merge_shards) into {self.folder} first")
         self.manifest = json.loads(p.read_text())
     def __repr__(self): return f"EmbeddingStore({self.folder}, rows={self.n_rows}, teachers={self.teachers})"
     @property
@@ -379,6 +380,19 @@ class EmbeddingStore:
         "Row ids of the store, in storage order."
         return torch.cat([self.shard(self.teachers[0], k)[1] for k in self.shard_keys])
 
+def dist_world() -> tuple[int, int]:
+    "(rank, world size) of this process's torch.distributed group; (0, 1) outside one."
+    import torch.distributed as dist
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+
+def shard_rows(key: str, # a shard key, e.g. "00003"
+               shard_size: int, # rows per shard
+               n_rows: int # rows in the corpus
+              ) -> tuple[int, int]:
+    "The row range [lo, hi) shard `key` holds: shards are fixed row ranges, whatever the number of processes."
+    lo = int(key) * shard_size
+    return lo, min(lo + shard_size, n_rows)
+
 def embed_corpus(source, # a caption source (TextFileCaptions, HubCaptions, SceneGrammar, or a list of str)
                  teachers: Sequence[TeacherGroup], # loaded teacher groups (see load_teachers)
                  folder: str | Path, # output folder
@@ -387,62 +401,137 @@ def embed_corpus(source, # a caption source (TextFileCaptions, HubCaptions, Scen
                  limit: int | None = None, # embed only the first `limit` rows
                  progress: bool = True # show a progress bar
                 ) -> EmbeddingStore:
-    "Embed a caption source with every teacher into sharded safetensors; resumes without recomputing finished shards."
-    folder = Path(folder)
-    with folder_lock(folder):        # a second process embedding into the same folder waits, then finds the work done
-        return _embed_corpus(source, teachers, folder, shard_size, batch_size, limit, progress)
+    "Embed a caption source with every teacher into sharded safetensors (each process of a torch.distributed group its share), then merge."
+    folder = Path(folder); rank, world = dist_world()
+    with folder_lock(folder / ".locks" / f"rank-{rank}-of-{world}"):   # a second job on this folder waits, then finds the work done
+        n_rows = _embed_shards(source, teachers, folder, shard_size, batch_size, limit, progress, rank, world)
+    if world > 1: torch.distributed.barrier()                            # every rank's shards are written before the merge
+    if rank == 0:
+        with folder_lock(folder): merge_shards(folder, n_rows)
+    if world > 1: torch.distributed.barrier()                            # the manifest exists before any rank reads it
+    return EmbeddingStore(folder)
 
-def _embed_corpus(source, teachers, folder, shard_size, batch_size, limit, progress):
-    specs = [dataclasses.asdict(s) for g in teachers for s in g.specs]
+# %% ../nbs/01a_teachers.ipynb #1c12ee69
+def _store_header(source, teachers, shard_size, limit) -> dict:
+    "What a store's content is: source, roster, layout, code version and numerics (equal across ranks and resumes)."
     name = getattr(source, "name", "list"); fp = getattr(source, "fingerprint", None)
     if fp is None: fp = sha256_bytes("\n".join(source).encode())
-    numerics = sorted({f"{torch.device(g.device).type}/{g.precision}" for g in teachers})   # device type / precision of each group
-    header = {"source": name, "source_fingerprint": fp, "teachers": specs, "shard_size": shard_size, "limit": limit,
-              "stage_version": embed_stage_version(), "numerics": numerics}
-    mpath = folder / "manifest.json"
-    if mpath.exists():
-        old = json.loads(mpath.read_text())
-        for k in header:
-            if old.get(k) != header[k]:
-                raise GuardError(f"{folder} already holds embeddings with a different {k} ({old.get(k)!r} != {header[k]!r}); "
-                                 "use a new folder: two corpora, rosters, code versions or numerics never mix in one store")
-        shards = old["shards"]
-    else: shards = {}
+    try: n = len(source)
+    except TypeError: n = None                                            # a streamed source of unknown length
+    if n is not None and limit is not None: n = min(n, limit)
     dims = {}
     for g in teachers: dims.update(g.dims)
-    n_total = min(len(source), limit) if limit is not None else (len(source) if hasattr(source, "__len__") else None)
-    bar = tqdm(total=n_total, desc=f"embedding {name}", unit="row", disable=not progress)
-    t0, done_now = time.time(), 0
-    def shard_is_done(key):
-        e = shards.get(key)
-        return e is not None and all((folder / t / f"shard-{key}.safetensors").exists() and
-                                      sha256_file(folder / t / f"shard-{key}.safetensors") == e["sha256"][t] for t in dims)
-    def chunks():
-        buf, start = [], 0
-        for i, text in enumerate(source):
-            if limit is not None and i >= limit: break
-            buf.append(text)
-            if len(buf) == shard_size: yield start, buf; start, buf = start + len(buf), []
-        if buf: yield start, buf
-    for start, texts in chunks():
-        key = f"{start // shard_size:05d}"
-        if shard_is_done(key): bar.update(len(texts)); continue
+    return {"source": name, "source_fingerprint": fp, "teachers": [dataclasses.asdict(s) for g in teachers for s in g.specs],
+            "dims": dims, "shard_size": shard_size, "limit": limit, "rows": n, "stage_version": embed_stage_version(),
+            "numerics": sorted({f"{torch.device(g.device).type}/{g.precision}" for g in teachers})}
+
+def _check_header(folder: Path, header: dict):
+    "Write the store's header, or require the one already there to be the same (two corpora never mix in one store)."
+    p = folder / "header.json"
+    if not p.exists(): atomic_write_json(p, header); return
+    old = json.loads(p.read_text())
+    for k in header:
+        if old.get(k) != header[k]:
+            raise GuardError(f"{folder} already holds embeddings with a different {k} ({old.get(k)!r} != {header[k]!r}); "
+                             "use a new folder: two corpora, rosters, code versions or numerics never mix in one store")
+
+def _shard_files(folder: Path, key: str, dims: dict) -> dict[str, Path]:
+    return {t: folder / t / f"shard-{key}.safetensors" for t in dims}
+
+def _receipt_path(folder: Path, key: str) -> Path: return folder / "receipts" / f"shard-{key}.json"
+
+def _shard_done(folder: Path, key: str, rows: list, dims: dict) -> bool:
+    "Whether a shard was finished: its receipt names these rows and every teacher's file has the receipt's sha256."
+    p = _receipt_path(folder, key)
+    if not p.exists(): return False
+    r = json.loads(p.read_text())
+    return r["rows"] == rows and all(f.exists() and sha256_file(f) == r["sha256"].get(t) for t, f in _shard_files(folder, key, dims).items())
+
+def _embed_shards(source, teachers, folder, shard_size, batch_size, limit, progress, rank, world) -> int:
+    "Embed this rank's unfinished shards (shard index % world == rank); returns the number of rows the source holds."
+    header = _store_header(source, teachers, shard_size, limit); _check_header(folder, header)
+    dims, fp = header["dims"], header["source_fingerprint"]
+    share = None if header["rows"] is None else sum(hi - lo for lo, hi in
+                (shard_rows(f"{i:05d}", shard_size, header["rows"]) for i in range(rank, -(-header["rows"] // shard_size), world)))
+    bar = tqdm(total=share, desc=f"embedding {header['source']} (rank {rank} of {world})", unit="row", disable=not progress)
+    t0, embedded, n, buf, start = time.time(), 0, 0, [], 0
+    def flush(start, texts):
+        key = f"{start // shard_size:05d}"; rows = [start, start + len(texts)]
+        if _shard_done(folder, key, rows, dims): bar.update(len(texts)); return 0
         out = {}
         for g in teachers: out.update(g.encode(texts, batch_size=batch_size))
-        rows = torch.arange(start, start + len(texts), dtype=torch.long)
-        sha = {}
-        for t, emb in out.items():
-            if not torch.isfinite(emb).all(): raise ValueError(f"teacher {t} produced NaN/inf on rows {start}..{start+len(texts)-1}")
-            p = folder / t / f"shard-{key}.safetensors"; p.parent.mkdir(exist_ok=True)
-            with atomic_path(p) as tmp:
-                save_file({"embeddings": emb.contiguous(), "row_ids": rows}, str(tmp), metadata={"teacher": t, "source_fingerprint": fp})
-            sha[t] = sha256_file(p)
-        shards[key] = {"rows": [start, start + len(texts)], "sha256": sha}
-        atomic_write_json(mpath, {**header, "dims": dims, "shards": shards, "complete": False})
-        bar.update(len(texts)); done_now += len(texts)
+        ids = torch.arange(*rows, dtype=torch.long)
+        sha, size = {}, {}
+        for t, f in _shard_files(folder, key, dims).items():
+            for stale in f.parent.glob(f".{f.name}.*.tmp"): stale.unlink(missing_ok=True)   # a killed writer's leftovers (this shard is ours)
+            emb = out[t]
+            if not torch.isfinite(emb).all(): raise ValueError(f"teacher {t} produced NaN/inf on rows {rows[0]}..{rows[1]-1}")
+            f.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_path(f) as tmp:
+                save_file({"embeddings": emb.contiguous(), "row_ids": ids}, str(tmp), metadata={"teacher": t, "source_fingerprint": fp})
+            sha[t], size[t] = sha256_file(f), f.stat().st_size
+        # the receipt is written last: a shard without one is unfinished, and the next run recomputes it
+        atomic_write_json(_receipt_path(folder, key), {"rows": rows, "count": len(texts), "sha256": sha, "bytes": size})
+        bar.update(len(texts)); return len(texts)
+    for i, text in enumerate(source):
+        if limit is not None and i >= limit: break
+        n = i + 1
+        if (i // shard_size) % world != rank: continue                    # another rank's shard: not even kept
+        if not buf: start = i
+        buf.append(text)
+        if len(buf) == shard_size: embedded += flush(start, buf); buf = []
+    if buf: embedded += flush(start, buf)
     bar.close()
-    atomic_write_json(mpath, {**header, "dims": dims, "shards": shards, "complete": True,
-                              "last_run": {"rows_embedded": done_now, "seconds": round(time.time() - t0, 2)}})
+    secs = time.time() - t0
+    atomic_write_json(folder / "ranks" / f"rank-{rank}-of-{world}.json",
+                      {"rank": rank, "world": world, "rows_seen": n, "rows_embedded": embedded, "seconds": round(secs, 3),
+                       "rows_per_s": round(embedded / secs, 1) if embedded else None})
+    return n
+
+def merge_shards(folder: str | Path, # a folder embed_corpus wrote into (by one or many processes)
+                 n_rows: int | None = None # rows the corpus holds; None: the header's, else what the ranks saw
+                ) -> EmbeddingStore:
+    "Verify every shard (row range, count, row ids, width, sha256) and write the store's manifest; any fault is an error naming the shard."
+    folder = Path(folder)
+    if not (folder / "header.json").exists():
+        raise FileNotFoundError(f"{folder / 'header.json'} does not exist: {folder} was never embedded into; run embed_corpus first")
+    header = json.loads((folder / "header.json").read_text())
+    notes = {p.stem: json.loads(p.read_text()) for p in sorted((folder / "ranks").glob("rank-*.json"))}
+    if n_rows is None: n_rows = header["rows"]
+    if n_rows is None and notes: n_rows = max(v["rows_seen"] for v in notes.values())
+    if n_rows is None: raise GuardError(f"cannot tell how many rows {folder} should hold: the source's length is unknown and no rank "
+                                        "finished; rerun the embedding (it resumes), or pass n_rows")
+    if header["rows"] is not None and n_rows != header["rows"]:
+        raise GuardError(f"{folder} was started on {header['rows']} rows but the merge was asked for {n_rows}")
+    size, dims = header["shard_size"], header["dims"]
+    keys = [f"{i:05d}" for i in range(-(-n_rows // size))]
+    shards, faults = {}, []
+    for key in keys:
+        lo, hi = shard_rows(key, size, n_rows)
+        where = f"shard {key} (rows {lo}..{hi - 1})"
+        rp = _receipt_path(folder, key)
+        if not rp.exists(): faults.append(f"{where} is missing: it has no receipt, so its embedding never finished"); continue
+        r = json.loads(rp.read_text())
+        if r["rows"] != [lo, hi] or r["count"] != hi - lo:
+            faults.append(f"{where}: its receipt says rows {r['rows']} and count {r['count']}"); continue
+        for t, f in _shard_files(folder, key, dims).items():
+            if not f.exists(): faults.append(f"{where}: {f} is missing"); continue
+            if sha256_file(f) != r["sha256"].get(t): faults.append(f"{where}: {f} is damaged (its sha256 is not its receipt's)"); continue
+            with safe_open(str(f), "pt") as s:
+                ids, shape = s.get_tensor("row_ids"), s.get_slice("embeddings").get_shape()
+            if not torch.equal(ids, torch.arange(lo, hi)) or list(shape) != [hi - lo, dims[t]]:
+                faults.append(f"{where}: {f} holds row ids {ids[:1].tolist()}..{ids[-1:].tolist()} and shape {list(shape)}, "
+                              f"not rows {lo}..{hi - 1} of width {dims[t]}")
+        shards[key] = {"rows": [lo, hi], "count": hi - lo, "sha256": r["sha256"]}
+    extra = sorted({p.stem.removeprefix("shard-") for p in (folder / "receipts").glob("shard-*.json")} - set(keys))
+    if extra: faults.append(f"shards {extra[:5]} lie beyond the corpus's {n_rows} rows")
+    if faults:
+        mpath = folder / "manifest.json"
+        if mpath.exists(): atomic_write_json(mpath, {**json.loads(mpath.read_text()), "complete": False})   # no cache trusts it now
+        raise GuardError(f"{folder} fails verification at merge ({len(faults)} faults): " + "; ".join(faults[:10]) +
+                         ". Rerun the embedding on this folder: it recomputes only the shards that are missing or damaged")
+    atomic_write_json(folder / "manifest.json", {**header, "rows": n_rows, "shards": shards, "complete": True,
+                                                 "ranks": notes})
     return EmbeddingStore(folder)
 
 # %% ../nbs/01a_teachers.ipynb #29a5d518
@@ -476,3 +565,49 @@ def embed_cached(source, # a caption source
         if store.complete: return store
     return embed_corpus(source, load_teachers(specs, device=device, precision=precision), folder,
                         shard_size=shard_size, batch_size=batch_size, limit=limit, progress=progress)
+
+# %% ../nbs/01a_teachers.ipynb #6afd511d
+def _store_summary(store: EmbeddingStore) -> dict:
+    "The merged store in one JSON-able line: rows, shards, teachers, and each rank's embedding rate."
+    m = store.manifest
+    return {"folder": str(store.folder), "rows": m["rows"], "shards": len(m["shards"]), "teachers": store.teachers,
+            "numerics": m["numerics"], "ranks": {k: {"rows_embedded": v["rows_embedded"], "rows_per_s": v["rows_per_s"]}
+                                                 for k, v in m.get("ranks", {}).items()}}
+
+def main(argv: Sequence[str] | None = None):
+    "Command-line entry point (torchrun-aware): `embed` a caption source with a roster into a folder, or `merge` (verify) one."
+    import argparse, datetime
+    ap = argparse.ArgumentParser(prog="python -m captionbert.teachers",
+                                 description="Teacher embedding of a caption corpus into sharded safetensors, across processes with torchrun.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("embed", help="embed every row with every teacher, each process its share of the shards; then merge")
+    e.add_argument("--source", required=True, help="synthetic[:N], hub:<dataset>[@<revision>]:<column>[:<split>], or a caption file")
+    e.add_argument("--out", required=True, help="the store's folder (rerun the same command to resume)")
+    e.add_argument("--roster", default="offline", help=f"a roster name: one of {', '.join(ROSTERS)}")
+    e.add_argument("--specs", default=None, help="a JSON file holding a list of TeacherSpec fields (instead of --roster)")
+    e.add_argument("--limit", type=int, default=None); e.add_argument("--shard-size", type=int, default=4096)
+    e.add_argument("--batch-size", type=int, default=64); e.add_argument("--device", default=None)
+    e.add_argument("--precision", default=None, help="fp32 / bf16 / fp16; default: bf16 (or fp16) on CUDA, fp32 on CPU")
+    e.add_argument("--no-progress", action="store_true")
+    m = sub.add_parser("merge", help="verify every shard of a folder (row ranges, counts, sha256) and write its manifest")
+    m.add_argument("--out", required=True); m.add_argument("--rows", type=int, default=None, help="rows the corpus holds, if the folder cannot tell")
+    a = ap.parse_args(argv)
+    if a.cmd == "merge":
+        store = merge_shards(a.out, a.rows); print(json.dumps(_store_summary(store))); return store
+    import torch.distributed as dist
+    device = a.device
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        cuda = torch.cuda.is_available() and a.device != "cpu"
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=4))   # rank 0's merge hashes every shard
+        if cuda:
+            local = int(os.environ.get("LOCAL_RANK", 0)); torch.cuda.set_device(local); device = torch.device("cuda", local)
+    try:
+        specs = roster(a.roster) if a.specs is None else tuple(TeacherSpec(**s) for s in json.loads(Path(a.specs).read_text()))
+        store = embed_corpus(open_captions(a.source, limit=a.limit), load_teachers(specs, device=device, precision=a.precision), a.out,
+                             shard_size=a.shard_size, batch_size=a.batch_size, progress=not a.no_progress)
+        if dist_world()[0] == 0: print(json.dumps(_store_summary(store)))
+        return store
+    finally:
+        if dist.is_initialized(): dist.destroy_process_group()
+
+if __name__ == "__main__" and "__file__" in globals(): main()

@@ -18,16 +18,18 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .core import GuardError, RunDir, atomic_path, atomic_write_bytes, autocast, pick_device, pick_precision, set_seed, to_jsonable
-from .data import Batch, LengthBucketSampler, collate
+from .core import (GuardError, RunDir, atomic_path, atomic_write_bytes, autocast, emit_plan, pick_device, pick_precision,
+                              set_seed, to_jsonable)
+from .data import Batch, LengthBucketSampler, TokenStore, collate, token_store
 from .gauges import effective_rank, mimicry_r1, query_set_report, self_cosine
 
 # %% auto #0
-__all__ = ['RESUME_LOG', 'WHERE_KEYS', 'TrainConfig', 'lr_at', 'TokenizedCorpus', 'BatchPlan', 'save_weights',
+__all__ = ['TokenizedCorpus', 'RESUME_LOG', 'WHERE_KEYS', 'TrainConfig', 'lr_at', 'BatchPlan', 'save_weights',
            'latest_checkpoint', 'load_checkpoint', 'config_changes', 'check_resume_config', 'TrainResult', 'train',
            'ConsensusLoss', 'frame_gap', 'frame_gap_floor', 'mimicry_line', 'ConsensusGauges', 'resolve_targets',
-           'caption_source', 'ConsensusRun', 'run_consensus_training', 'export_student', 'score_student',
-           'scoring_code', 'scoring_code_version', 'teacher_cache_key', 'score_teachers', 'main']
+           'caption_source', 'training_range', 'assert_same_rows', 'texts_of', 'ConsensusRun', 'run_consensus_training',
+           'export_student', 'score_student', 'scoring_code', 'scoring_code_version', 'teacher_cache_key',
+           'score_teachers', 'train_memory_estimate', 'plan_run', 'main']
 
 # %% ../nbs/05_train.ipynb #c11b275e
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +58,7 @@ class TrainConfig:
     keep_snapshots: int = 2              # rolling training-state snapshots kept
     log_every: int = 10                  # steps between TensorBoard points (metrics.jsonl gets every step)
     best_metric: str = "gauge/target_cosine"
+    train_rows: Optional[int] = None     # the leading corpus rows trained on (None = every row): v2 reads the first 82% of v2-B's corpus
 
     PRESETS = ("smoke", "cpu", "published", "v2", "v2b")   # what `preset` accepts: the size names, then the named recipes
     ALIASES = {"published": "v2"}                           # a size name -> the recipe it means here
@@ -80,9 +83,10 @@ class TrainConfig:
         return epochs * (rows // batch_size)
     @classmethod
     def v2(cls, **kw): return cls(**{"name": "v2", "encoder": "v2", "alignment": "published", "batch_size": 2048, "max_steps": 52_548,
+                                    "train_rows": 26_904_576,
                                     "warmup_steps": 1000, "eval_every": 2000, "eval_rows": 8192, "ckpt_every_steps": 2000, "log_every": 50, **kw})
     @classmethod
-    def v2b(cls, **kw): return cls.v2(**{"name": "v2b", "max_steps": 62_312, **kw})
+    def v2b(cls, **kw): return cls.v2(**{"name": "v2b", "max_steps": 62_312, "train_rows": None, **kw})
     @classmethod
     def cpu(cls, **kw): return cls(**{"name": "cpu", **kw})
     @classmethod
@@ -105,28 +109,11 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1 + math.cos(math.pi * t))
 
 # %% ../nbs/05_train.ipynb #7dab27d4
-class TokenizedCorpus:
-    "Token ids of every row, stored flat: ids[offsets[i]:offsets[i+1]] is row i."
-    def __init__(self, ids: Sequence[Sequence[int]]):
-        lens = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
-        self.offsets = np.concatenate([[0], np.cumsum(lens)])
-        self.flat = np.fromiter((t for x in ids for t in x), dtype=np.int32, count=int(self.offsets[-1]))
-    @classmethod
-    def from_texts(cls, tokenizer, texts: Sequence[str], max_tokens: int = 256, chunk: int = 100_000):
-        "Tokenize `texts` (truncated at `max_tokens`) in chunks."
-        ids = []
-        for i in range(0, len(texts), chunk):
-            ids += tokenizer(list(texts[i:i + chunk]), truncation=True, max_length=max_tokens)["input_ids"]
-        return cls(ids)
-    def __len__(self): return len(self.offsets) - 1
-    @property
-    def lengths(self) -> np.ndarray: return np.diff(self.offsets)
-    def __getitem__(self, i) -> np.ndarray: return self.flat[self.offsets[i]:self.offsets[i + 1]]
-    def batch(self, rows) -> Batch: return collate([self[int(r)] for r in rows], rows)
+TokenizedCorpus = TokenStore      # the name this notebook used for data.TokenStore (in RAM via from_texts, memory-mapped via token_store)
 
 class BatchPlan:
     "The batch of every global step, a pure function of (seed, step): length-bucketed, epochs reshuffled."
-    def __init__(self, corpus: TokenizedCorpus, # token ids of the corpus
+    def __init__(self, corpus: TokenStore, # token ids of the corpus (in RAM or memory-mapped)
                  rows: Sequence[int], # the rows that may be trained on (held-out rows excluded)
                  batch_size: int, seed: int = 0, pool: int = 50):
         self.corpus, self.rows = corpus, np.asarray(rows)
@@ -339,7 +326,7 @@ def train(model: torch.nn.Module, # the model (its parameters that require grad 
 # %% ../nbs/05_train.ipynb #186df534
 class ConsensusLoss:
     "InfoNCE (student -> consensus targets of the global batch) + MSE to the own target."
-    def __init__(self, targets: torch.Tensor, # [N_corpus, O] targets indexed by row id
+    def __init__(self, targets, # targets[row ids] -> [n, O]: consensus.TargetRows (memory-mapped), or a tensor over every row
                  temperature: float = 0.07, mse_weight: float = 1.0):
         self.targets, self.temperature, self.mse_weight = targets, temperature, mse_weight
     def __call__(self, model, batch: Batch, global_batch: Batch):
@@ -389,14 +376,14 @@ def mimicry_line(row: dict # a gauge row of metrics.jsonl
 
 class ConsensusGauges:
     "The training-side gauges of a student against its targets on held-out rows."
-    def __init__(self, corpus: TokenizedCorpus, # token ids of every row
-                 targets: torch.Tensor, # [N_corpus, O] targets by row id
+    def __init__(self, corpus: TokenStore, # token ids of every row
+                 targets, # targets by row id: targets[row ids] -> [n, O] (consensus.TargetRows, or a tensor over every row)
                  rows: Sequence[int], # the held-out rows read
-                 texts: Sequence[str], # the captions of every row (the queries of the query-set check)
+                 texts: Sequence[str], # the captions of `rows`, in that order (the queries of the query-set check)
                  batch_size: int = 256):
         self.corpus, self.targets, self.rows, self.batch_size = corpus, targets, np.asarray(rows), batch_size
-        if len(texts) != len(corpus): raise ValueError(f"{len(texts)} texts for a corpus of {len(corpus)} rows: pass every row's caption")
-        self.texts = [texts[int(r)] for r in self.rows]
+        if len(texts) != len(self.rows): raise ValueError(f"{len(texts)} texts for {len(self.rows)} held-out rows: pass the caption of each row read")
+        self.texts = list(texts)
     def embed(self, model) -> torch.Tensor:
         "The student's sentence vectors of the held-out rows (the harness's own embedding loop)."
         from captionbert.benchmark import pooled_outputs
@@ -459,11 +446,50 @@ def caption_source(targets):
     return src
 
 # %% ../nbs/05_train.ipynb #2b6493a5
+def training_range(cfg: TrainConfig, # the preset (its train_rows)
+                   corpus_rows: int, # rows of the corpus the targets cover
+                   data_fraction: float = 1.0 # a further cut: the first fraction of the corpus
+                  ) -> int:
+    "The end (exclusive) of the leading row range a run trains on: cfg.train_rows (None = all), cut by data_fraction."
+    if not 0 < data_fraction <= 1: raise ValueError(f"data_fraction must be in (0, 1], got {data_fraction}")
+    if cfg.train_rows is not None and cfg.train_rows > corpus_rows:
+        raise ValueError(f"preset {cfg.name} trains on the first {cfg.train_rows} rows but the corpus has {corpus_rows}: "
+                         "build targets on the whole published corpus (AlignmentConfig.published), or lower train_rows")
+    return min(corpus_rows if cfg.train_rows is None else cfg.train_rows, int(round(data_fraction * corpus_rows)))
+
+def assert_same_rows(tokens: TokenStore, # the run's token store
+                     targets # its ConsensusTargets
+                    ):
+    "GuardError unless the token store and the targets hold the same rows (0..N-1) of the same captions."
+    fp = tokens.manifest.get("source_fingerprint")
+    if fp is not None and fp != targets.source_fingerprint:
+        raise GuardError(f"the token store {tokens.folder} was built from captions {fp[:12]} but the targets in {targets.folder} from "
+                         f"{targets.source_fingerprint[:12]}: tokenize the targets' own captions (token_store(caption_source(targets)))")
+    held = targets.row_ids
+    if len(tokens) != targets.n_rows or (len(held) and int(held[-1]) != len(tokens) - 1):
+        raise GuardError(f"the token store {tokens.folder or '(in RAM)'} holds {len(tokens)} rows but the targets in {targets.folder} hold "
+                         f"{targets.n_rows} (row ids {int(held[0]) if len(held) else None}..{int(held[-1]) if len(held) else None}): "
+                         "token and target rows must be the same rows; rebuild the one cut short (a resumed embedding or tokenizing "
+                         "pass that did not finish)")
+
+def texts_of(source, # a caption source
+             rows # corpus row ids
+            ) -> list[str]:
+    "The captions of these row ids, in that order: by random access where the source has it, else from one streamed pass."
+    rows = [int(r) for r in np.asarray(rows)]
+    if hasattr(source, "__getitem__"): return [source[r] for r in rows]
+    want, got = set(rows), {}
+    for i, t in enumerate(source):
+        if i in want: got[i] = t
+        if len(got) == len(want): break
+    if len(got) != len(want): raise IndexError(f"{len(want) - len(got)} rows (e.g. {sorted(want - set(got))[:5]}) are past the end of {source!r}")
+    return [got[r] for r in rows]
+
 @dataclasses.dataclass
 class ConsensusRun:
     "A finished (or stopped) consensus training run and what it was made from."
     preset: str; seed: int; cfg: TrainConfig; run: RunDir; model: torch.nn.Module; targets: object
-    corpus: TokenizedCorpus; train_rows: np.ndarray; eval_rows: np.ndarray; result: TrainResult
+    corpus: TokenStore; train_rows: np.ndarray; eval_rows: np.ndarray; result: TrainResult
     student: Optional[dict] = None       # the harness results of the exported student (or the record of a skipped scoring)
 
 def run_consensus_training(seed: int = 0, # the run's seed
@@ -490,14 +516,13 @@ def run_consensus_training(seed: int = 0, # the run's seed
     declared = json.loads((run_path / "config.json").read_text())["frame"] if (run_path / "config.json").exists() else None
     tg = resolve_targets(targets, cfg, run_path, expect_frame=declared, device=dev)
     set_seed(seed)
-    texts = list(caption_source(tg))
-    corpus = TokenizedCorpus.from_texts(load_tokenizer(), texts, cfg.max_tokens)
+    source = caption_source(tg)
+    corpus = token_store(source, load_tokenizer(), cfg.max_tokens, progress=progress and rank == 0)   # memory-mapped, built once
+    assert_same_rows(corpus, tg)
     eval_rows = stratified_sample(corpus.lengths, cfg.eval_rows, seed=seed + 101)
     train_rows = np.setdiff1d(tg.row_ids.numpy(), eval_rows)
-    if not 0 < data_fraction <= 1: raise ValueError(f"data_fraction must be in (0, 1], got {data_fraction}")
-    train_rows = train_rows[train_rows < int(round(data_fraction * len(corpus)))]
-    full = torch.zeros(len(corpus), tg.targets.shape[1]); full[tg.row_ids] = tg.targets
-    enc_cfg = EncoderConfig.preset(cfg.encoder, out_dim=tg.targets.shape[1])
+    train_rows = train_rows[train_rows < training_range(cfg, len(corpus), data_fraction)]
+    enc_cfg = EncoderConfig.preset(cfg.encoder, out_dim=tg.targets.dim)
     set_seed(seed); model = CaptionEncoder(enc_cfg)
     corpus_id = {"source_fingerprint": tg.source_fingerprint, "frame": tg.frame, "targets_fingerprint": tg.fingerprint, "train_rows": int(len(train_rows)), "data_fraction": data_fraction,
                  "train_rows_sha256": sha256_bytes(train_rows.astype(np.int64).tobytes())}
@@ -510,8 +535,8 @@ def run_consensus_training(seed: int = 0, # the run's seed
         print(f"[{preset}] student {model} ({enc_cfg.layers}x{enc_cfg.hidden}, out {enc_cfg.out_dim}); {len(train_rows)} training rows "
               f"({plan.batches_per_epoch} batches of {cfg.batch_size} an epoch, {cfg.max_steps / plan.batches_per_epoch:.1f} epochs), "
               f"{len(eval_rows)} held-out rows for the gauges; run directory {run.path}")
-    result = train(model, plan, ConsensusLoss(full, cfg.temperature, cfg.mse_weight), cfg, run, corpus_id,
-                   ConsensusGauges(corpus, full, eval_rows, texts), resume=resume, device=dev, progress=progress,
+    result = train(model, plan, ConsensusLoss(tg.targets, cfg.temperature, cfg.mse_weight), cfg, run, corpus_id,
+                   ConsensusGauges(corpus, tg.targets, eval_rows, texts_of(source, eval_rows)), resume=resume, device=dev, progress=progress,
                    config=config, allow_changes=allow_changes)
     job = ConsensusRun(preset, seed, cfg, run, model, tg, corpus, train_rows, eval_rows, result)
     if tasks and result.completed and rank == 0: job.student = score_student(job, tasks, sts_dir, device=dev)
@@ -603,6 +628,56 @@ def score_teachers(specs, # the roster (TeacherSpec), e.g. the one the targets w
     atomic_write_json(path, res)
     return res
 
+# %% ../nbs/05_train.ipynb #5a9fff35
+def train_memory_estimate(enc_cfg, # an EncoderConfig
+                          rows: int, # rows in one process's share of the batch
+                          tokens: int = 256, # tokens a row (the ceiling: the largest batch)
+                          precision: str = "bf16" # activation precision
+                         ) -> dict:
+    "Bytes of GPU memory a training step needs, by formula: 16 B/param + layers x 34 B x tokens x rows x hidden (x2 in fp32)."
+    from captionbert.encoder import CaptionEncoder, n_params
+    with torch.device("meta"): params = n_params(CaptionEncoder(enc_cfg))          # counted without allocating a weight
+    act = enc_cfg.layers * 34 * tokens * rows * enc_cfg.hidden * (2 if precision == "fp32" else 1)
+    return {"rows": rows, "tokens": tokens, "params": params, "state_bytes": 16 * params, "activation_bytes": act,
+            "total_gb": round((16 * params + act) / 1e9, 2)}
+
+def plan_run(preset: str = "auto", # as for run_consensus_training
+             seed: int = 0, roster: Optional[str] = None, max_steps: Optional[int] = None,
+             world_size: int = 1, # processes the run would use (each takes batch_size / world_size rows)
+             data_fraction: float = 1.0) -> dict:
+    "The resolved plan of a training run, computed with no network and no GPU (see core.emit_plan for the shared keys)."
+    from captionbert.core import resolve_preset, sha256_bytes
+    from captionbert.encoder import EncoderConfig
+    name = TrainConfig.canonical(resolve_preset(preset, TrainConfig.PRESETS, published="v2", section="05_train"))
+    cfg = TrainConfig.preset(name, roster=roster, **({"max_steps": int(max_steps)} if max_steps else {}))
+    acfg = cfg.alignment_config()
+    published = acfg.name == "published"
+    corpus_rows = acfg.limit if (published and acfg.limit) else len(acfg.caption_source(verbose=False))   # a local file: no network
+    rows = training_range(cfg, corpus_rows, data_fraction)
+    width = acfg.REFERENCE_WIDTH[acfg.roster]
+    fit_rows = acfg.fit_rows_for(width)
+    maps = {"alignment": acfg.label, "roster": acfg.roster, "captions": acfg.captions or "default_captions()", "corpus_rows": corpus_rows,
+            "fit_rows": fit_rows, "fit_n_over_d": round(fit_rows / width, 2), "eval_rows": acfg.eval_rows, "seed": acfg.seed}
+    maps["id"] = sha256_bytes(json.dumps(to_jsonable(acfg), sort_keys=True).encode())[:16]   # the config the maps are fit from
+    device = "cuda" if published else pick_device().type
+    precision = cfg.precision or ("bf16" if device == "cuda" else "fp32")
+    enc = EncoderConfig.preset(cfg.encoder, out_dim=width)
+    per_rank = cfg.batch_size // world_size
+    targets_dir = f"runs/consensus-{acfg.label}"
+    launch = f"torchrun --nproc-per-node {world_size} -m captionbert.train" if world_size > 1 else "python -m captionbert.train"
+    return {"preset": name, "section": "05_train", "seed": seed, "rows": rows, "corpus_rows": corpus_rows, "held_out_rows": cfg.eval_rows,
+            "steps": cfg.max_steps, "batch_size": cfg.batch_size, "epochs": round(cfg.max_steps * cfg.batch_size / rows, 3),
+            "warmup_steps": cfg.warmup_steps, "precision": precision, "device": device, "world_size": world_size,
+            "maps": maps, "target_dim": width,
+            "token_store_bytes_max": corpus_rows * (cfg.max_tokens * 2 + 8 + 2) + 8,     # uint16 ids at the ceiling, offsets, lengths
+            "target_bytes": corpus_rows * (width * 4 + 8),                               # fp32 vectors and int64 row ids
+            "gpu_memory_estimate": train_memory_estimate(enc, per_rank, cfg.max_tokens, precision),
+            "stages": [f"papermill nbs/04_consensus.ipynb out/04_consensus.ipynb -p preset {acfg.name}" + (f" -p roster {cfg.roster}" if cfg.roster else "")
+                       + f" -p out_dir {targets_dir}",
+                       f"{launch} --preset {name} --seed {seed} --targets {targets_dir}" + (f" --roster {cfg.roster}" if cfg.roster else "")
+                       + (f" --max-steps {max_steps}" if max_steps else ""),
+                       f"python -m captionbert.benchmark --model runs/05_train-{cfg.label(name)}-seed{seed}/export"]}
+
 # %% ../nbs/05_train.ipynb #8a73917d
 def main(argv: Optional[Sequence[str]] = None):
     "Command-line entry point (torchrun-aware): train a student on consensus targets, export it, and optionally score it."
@@ -616,7 +691,11 @@ def main(argv: Optional[Sequence[str]] = None):
     ap.add_argument("--no-resume", action="store_true")
     ap.add_argument("--allow-changes", default="", help="comma-separated config keys a resume may change (e.g. max_steps)")
     ap.add_argument("--tasks", default="", help="score the export on these harness tasks when done: 'all' or a comma list")
+    ap.add_argument("--dry-run", action="store_true", help="print the resolved plan as one JSON line and exit (no network, no GPU)")
+    ap.add_argument("--world-size", type=int, default=None, help="with --dry-run: processes to plan for (default: $WORLD_SIZE or 1)")
     a = ap.parse_args(argv)
+    if a.dry_run:
+        return emit_plan(plan_run(a.preset, a.seed, a.roster, a.max_steps, a.world_size or int(os.environ.get("WORLD_SIZE", "1"))))
     device = a.device
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         cuda = torch.cuda.is_available()

@@ -51,7 +51,7 @@ def _targets(src, record):
     cfg = AlignmentConfig(name="published", roster="hub", captions="hub:org/caps:text:validation", limit=50)
     man = {"config": dataclasses.asdict(cfg), "source_fingerprint": src.fingerprint, "frame": "f" * 64, "shards": {}}
     if record is not None: man["captions"] = record
-    return ConsensusTargets(Path("built-targets"), torch.zeros(1, 4), torch.zeros(1, dtype=torch.long), man)
+    return ConsensusTargets(Path("built-targets"), None, man)   # caption_source reads the manifest only
 
 
 def test_record_carries_the_commit_and_training_reopens_it(hub_heads):

@@ -155,3 +155,14 @@ def test_run_refuses_targets_of_another_roster(tmp_path):
     assert not (tmp_path / "other" / "metrics.jsonl").exists()
     with pytest.raises(ValueError, match=r"unknown roster 'offline-strong': use one of \['hub', 'offline', 'offline-mixed', 'offline-weak'\]"):
         run_consensus_training(seed=0, preset="smoke", run_dir=tmp_path / "third", roster="offline-strong", progress=False)
+
+
+def test_papermill_dry_run_prints_the_plan_and_trains_nothing(tmp_path):
+    "-p dry_run True: the plan is one JSON line (v2: 52,548 steps = 4.0 epochs of 26,904,576 rows), and no run directory appears."
+    papermill = pytest.importorskip("papermill")
+    out, run_dir = tmp_path / "out.ipynb", tmp_path / "run"
+    papermill.execute_notebook(str(ROOT / "nbs" / "05_train.ipynb"), str(out), cwd=str(ROOT / "nbs"),
+                               parameters={"preset": "v2", "dry_run": True, "run_dir": str(run_dir)}, kernel_name="python3", progress_bar=False)
+    plans = [json.loads(line) for line in _printed(json.loads(out.read_text())).splitlines() if line.startswith('{"preset"')]
+    assert len(plans) == 1 and (plans[0]["preset"], plans[0]["steps"], plans[0]["rows"], plans[0]["epochs"]) == ("v2", 52_548, 26_904_576, 4.0)
+    assert not run_dir.exists()

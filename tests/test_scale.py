@@ -1,0 +1,105 @@
+"""Published size without published RAM: the token store and the consensus targets are read by row id from memory-mapped
+files, so the process's anonymous memory (RssAnon) does not grow with the rows read; and the dry-run plans of v2 / v2b."""
+import gc
+import json
+import subprocess
+import sys
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from captionbert.consensus import TargetRows
+from captionbert.data import TokenStore
+
+
+def rss_anon_mb() -> float:
+    "This process's anonymous resident memory (RssAnon in /proc/self/status), in MB."
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"): return int(line.split()[1]) / 1024
+    raise RuntimeError("no RssAnon line in /proc/self/status")
+
+
+class _Words:
+    "A stand-in tokenizer: a fixed 96 ids a caption (cheap, so the test measures reading, not tokenizing)."
+    def __len__(self): return 30_522
+    def get_vocab(self): return {"[PAD]": 0}
+    def __call__(self, texts, **kw): return {"input_ids": [[101] + [1000 + (hash(t) + i) % 20_000 for i in range(94)] + [102] for t in texts]}
+
+
+def _read_all(get, n, batch=2048, seed=0):
+    "Touch every row once in random batches; the largest RssAnon growth seen, in MB."
+    base, peak = rss_anon_mb(), 0.0
+    for rows in np.array_split(np.random.default_rng(seed).permutation(n), n // batch):
+        x = get(rows); del x
+        peak = max(peak, rss_anon_mb() - base)
+    return peak
+
+
+def test_token_store_reads_200k_rows_without_growing_anonymous_memory(tmp_path):
+    n = 200_000
+    store = TokenStore.build((f"caption {i}" for i in range(n)), _Words(), tmp_path / "tokens", chunk=20_000, progress=False)
+    gc.collect()
+    data_mb = store.tokens.nbytes / 2**20                          # 200k x 96 uint16 = 36.6 MB of ids
+    grew = _read_all(lambda rows: store.batch(rows[:256]), n, batch=256)
+    assert len(store) == n and data_mb > 30
+    assert grew < 0.25 * data_mb, f"RssAnon grew {grew:.1f} MB while reading {data_mb:.1f} MB of token ids: they are being loaded into RAM"
+
+
+def test_targets_read_by_row_id_from_memory_mapped_shards(tmp_path):
+    n, d, shard = 200_000, 256, 25_000                              # 205 MB of fp32 targets in 8 shards
+    shards = {}
+    for k, lo in enumerate(range(0, n, shard)):
+        g = torch.Generator().manual_seed(k)
+        p = tmp_path / "targets" / f"shard-{k:05d}.safetensors"; p.parent.mkdir(exist_ok=True)
+        save_file({"targets": torch.randn(shard, d, generator=g), "row_ids": torch.arange(lo, lo + shard)}, str(p))
+        shards[f"{k:05d}"] = {"rows": [lo, lo + shard], "n": shard}
+    tr = TargetRows(tmp_path, {"shards": shards, "dim": d})
+    want = torch.randn(shard, d, generator=torch.Generator().manual_seed(3))[[7, 11]]
+    assert torch.equal(tr[[3 * shard + 7, 3 * shard + 11]], want)                     # row ids, across shards, not positions
+    gc.collect()
+    data_mb = n * d * 4 / 2**20
+    grew = _read_all(lambda rows: tr[rows], n)
+    assert grew < 0.1 * data_mb, f"RssAnon grew {grew:.1f} MB while reading {data_mb:.0f} MB of targets: they are being loaded into RAM"
+
+
+def test_rss_probe_sees_a_loader_that_holds_everything(tmp_path):
+    "The instrument can fail: holding the same 205 MB in RAM shows in RssAnon."
+    gc.collect(); base = rss_anon_mb()
+    held = np.ones((200_000, 256), np.float32)
+    assert rss_anon_mb() - base > 0.8 * held.nbytes / 2**20
+    del held
+
+
+def test_dry_run_plans_v2_and_v2b_on_the_command_line():
+    "No network, no GPU: one JSON line each; 4.0 epochs of 26,904,576 and 31,905,616 rows with the same maps."
+    env = {"CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    plans = {}
+    for p in ("v2", "v2b"):
+        out = subprocess.run([sys.executable, "-m", "captionbert.train", "--preset", p, "--dry-run"], capture_output=True, text=True,
+                             env=env, timeout=120, check=True).stdout
+        assert len(out.strip().splitlines()) == 1, out
+        plans[p] = json.loads(out)
+    assert (plans["v2"]["steps"], plans["v2"]["rows"], plans["v2"]["epochs"]) == (52_548, 26_904_576, 4.0)
+    assert (plans["v2b"]["steps"], plans["v2b"]["rows"], plans["v2b"]["epochs"]) == (62_312, 31_905_616, 4.0)
+    assert plans["v2"]["batch_size"] == plans["v2b"]["batch_size"] == 2048
+    assert plans["v2"]["maps"] == plans["v2b"]["maps"]
+
+
+def test_token_and_target_rows_that_differ_are_refused():
+    "train.assert_same_rows: a token store cut short, or one built from other captions, is refused before training."
+    import types
+    import pytest
+    from captionbert.core import GuardError
+    from captionbert.train import assert_same_rows
+    def store(n, fp="abc"):
+        lens = np.full(n, 3, dtype=np.int64)
+        return TokenStore(np.ones(3 * n, dtype=np.int32), np.concatenate([[0], np.cumsum(lens)]), manifest={"source_fingerprint": fp})
+    targets = types.SimpleNamespace(source_fingerprint="abc", n_rows=10, row_ids=np.arange(10), folder="targets")
+    assert_same_rows(store(10), targets)                                   # the same rows of the same captions pass
+    with pytest.raises(GuardError, match="holds 9 rows but the targets in targets hold 10"):
+        assert_same_rows(store(9), targets)                                # a tokenizing pass that stopped one row short
+    with pytest.raises(GuardError, match="built from captions"):
+        assert_same_rows(store(10, fp="xyz"), targets)                     # same count, other captions
+    with pytest.raises(GuardError, match="row ids 0..8"):
+        assert_same_rows(store(10), types.SimpleNamespace(source_fingerprint="abc", n_rows=10, row_ids=np.arange(9), folder="targets"))
