@@ -399,10 +399,11 @@ def embed_corpus(source, # a caption source (TextFileCaptions, HubCaptions, Scen
                  shard_size: int = 4096, # rows per shard
                  batch_size: int = 64, # rows per forward pass
                  limit: int | None = None, # embed only the first `limit` rows
-                 progress: bool = True # show a progress bar
+                 progress: bool = True, # show a progress bar
+                 distributed: bool = False # share the shards among the processes of the torch.distributed group (the torchrun command); False: this process embeds every shard
                 ) -> EmbeddingStore:
-    "Embed a caption source with every teacher into sharded safetensors (each process of a torch.distributed group its share), then merge."
-    folder = Path(folder); rank, world = dist_world()
+    "Embed a caption source with every teacher into sharded safetensors (with `distributed`, each process of the group its share), then merge."
+    folder = Path(folder); rank, world = dist_world() if distributed else (0, 1)   # a DDP training run that builds targets embeds in the rank holding the lock, never waits on the others
     with folder_lock(folder / ".locks" / f"rank-{rank}-of-{world}"):   # a second job on this folder waits, then finds the work done
         n_rows = _embed_shards(source, teachers, folder, shard_size, batch_size, limit, progress, rank, world)
     if world > 1: torch.distributed.barrier()                            # every rank's shards are written before the merge
@@ -604,7 +605,7 @@ def main(argv: Sequence[str] | None = None):
     try:
         specs = roster(a.roster) if a.specs is None else tuple(TeacherSpec(**s) for s in json.loads(Path(a.specs).read_text()))
         store = embed_corpus(open_captions(a.source, limit=a.limit), load_teachers(specs, device=device, precision=a.precision), a.out,
-                             shard_size=a.shard_size, batch_size=a.batch_size, progress=not a.no_progress)
+                             shard_size=a.shard_size, batch_size=a.batch_size, progress=not a.no_progress, distributed=True)
         if dist_world()[0] == 0: print(json.dumps(_store_summary(store)))
         return store
     finally:

@@ -25,9 +25,10 @@ from .gauges import effective_rank, mimicry_r1, query_set_report, self_cosine
 
 # %% auto #0
 __all__ = ['TokenizedCorpus', 'RESUME_LOG', 'WHERE_KEYS', 'TrainConfig', 'lr_at', 'BatchPlan', 'save_weights',
-           'latest_checkpoint', 'load_checkpoint', 'config_changes', 'check_resume_config', 'TrainResult', 'train',
-           'ConsensusLoss', 'frame_gap', 'frame_gap_floor', 'mimicry_line', 'ConsensusGauges', 'resolve_targets',
-           'caption_source', 'training_range', 'assert_same_rows', 'texts_of', 'ConsensusRun', 'run_consensus_training',
+           'latest_checkpoint', 'load_checkpoint', 'config_changes', 'config_defaults', 'check_resume_config',
+           'TrainResult', 'train', 'ConsensusLoss', 'frame_gap', 'frame_gap_floor', 'mimicry_line', 'ConsensusGauges',
+           'resolve_targets', 'caption_source', 'training_range', 'assert_same_rows', 'texts_of',
+           'resolve_train_config', 'resolve_encoder_config', 'with_extra', 'ConsensusRun', 'run_consensus_training',
            'export_student', 'score_student', 'scoring_code', 'scoring_code_version', 'teacher_cache_key',
            'score_teachers', 'train_memory_estimate', 'plan_run', 'main']
 
@@ -175,18 +176,33 @@ def config_changes(old: dict, # the config the checkpoint was trained under (JSO
     a, b = _flat(old), _flat(new)
     return {k: [a.get(k), b.get(k)] for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
+def config_defaults() -> dict:
+    "The field defaults (as JSON) of the config dataclasses a run config holds, by their key in it: encoder, train."
+    from captionbert.encoder import EncoderConfig
+    def defaults(cls):
+        return {f.name: to_jsonable(f.default if f.default is not dataclasses.MISSING else f.default_factory())
+                for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+    return {"encoder": defaults(EncoderConfig), "train": defaults(TrainConfig)}
+
 def check_resume_config(old: dict, # the checkpoint's run config
                         new: dict, # this call's run config
                         allow_changes=(), # keys that may change ("max_steps" or "train.max_steps"), or True for any
-                        where: str = "the checkpoint" # named in the error
+                        where: str = "the checkpoint", # named in the error
+                        defaults: Optional[dict] = None # {"encoder": {field: default}, ...}; None: config_defaults()
                        ) -> dict:
     "The changes between a checkpoint's config and this call's; GuardError listing the keys unless each is allowed."
-    changes = config_changes(old, new)
+    was, now = _flat(old), _flat(new)
+    defaults = config_defaults() if defaults is None else defaults
+    def added_at_default(k):            # a field added after the checkpoint was written, at the value the old code had built in
+        head, _, name = k.rpartition(".")
+        return k not in was and k in now and name in defaults.get(head, {}) and now[k] == defaults[head][name]
+    changes = {k: v for k, v in config_changes(old, new).items() if not added_at_default(k)}
     def allowed(k): return (allow_changes is True or k.split(".")[0] in WHERE_KEYS
                             or any(k == a or k.endswith("." + a) for a in (allow_changes or ())))
     refused = {k: v for k, v in changes.items() if not allowed(k)}
     if refused:
-        listed = "; ".join(f"{k}: {v[0]!r} -> {v[1]!r}" for k, v in refused.items())
+        listed = "; ".join(f"{k}: {'(absent)' if k not in was else repr(v[0])} -> {'(absent)' if k not in now else repr(v[1])}"
+                           for k, v in refused.items())
         raise GuardError(f"this call changes the run that {where} belongs to: {listed}. A resumed run keeps its config; "
                          f"pass allow_changes={set(k.split('.')[-1] for k in refused)!r} (or allow_changes=True) to resume "
                          "with the change on purpose, or start a new run directory.")
@@ -485,6 +501,38 @@ def texts_of(source, # a caption source
     if len(got) != len(want): raise IndexError(f"{len(want) - len(got)} rows (e.g. {sorted(want - set(got))[:5]}) are past the end of {source!r}")
     return [got[r] for r in rows]
 
+def resolve_train_config(preset: str, # a canonical training preset (the run's recipe name)
+                         roster: Optional[str] = None, # a teacher roster; None: the preset's (or train_config's) own
+                         max_steps: Optional[int] = None, # override the steps
+                         train_config: Optional[TrainConfig] = None # a whole TrainConfig instead of the preset's
+                        ) -> TrainConfig:
+    "The TrainConfig a run trains with: `train_config` if given, else the named preset's, with roster and max_steps applied."
+    steps = {"max_steps": int(max_steps)} if max_steps else {}
+    if train_config is None: return TrainConfig.preset(preset, roster=roster, **steps)
+    if not isinstance(train_config, TrainConfig): raise TypeError(f"train_config must be a TrainConfig, got {type(train_config).__name__}")
+    return dataclasses.replace(train_config, **({"roster": roster} if roster is not None else {}), **steps)
+
+def resolve_encoder_config(cfg: TrainConfig, # the run's TrainConfig (its `encoder` preset name)
+                           out_dim: int, # the targets' width
+                           encoder_config=None # the student's EncoderConfig; None: the preset cfg.encoder names
+                          ):
+    "The student's EncoderConfig: `encoder_config` (or cfg.encoder's preset) with out_dim set to the targets' width."
+    from captionbert.encoder import EncoderConfig
+    if encoder_config is None: return EncoderConfig.preset(cfg.encoder, out_dim=out_dim)
+    if not isinstance(encoder_config, EncoderConfig): raise TypeError(f"encoder_config must be an EncoderConfig, got {type(encoder_config).__name__}")
+    return dataclasses.replace(encoder_config, out_dim=out_dim)
+
+def with_extra(gauges: Callable, # (model, step) -> dict: the run's gauges (a ConsensusGauges)
+               extra: Callable # (model, gauges, step) -> dict: more measurements at the same evaluation
+              ) -> Callable:
+    "An evaluate_fn logging the gauges and `extra`'s dict as one record; a key of both is refused (no gauge is overwritten)."
+    def evaluate(model, step):
+        m = gauges(model, step); more = extra(model, gauges, step)
+        clash = sorted(set(m) & set(more))
+        if clash: raise ValueError(f"evaluate_extra returned keys the gauges already log: {clash}; give its keys a prefix of their own (e.g. routing/)")
+        return {**m, **more}
+    return evaluate
+
 @dataclasses.dataclass
 class ConsensusRun:
     "A finished (or stopped) consensus training run and what it was made from."
@@ -502,14 +550,17 @@ def run_consensus_training(seed: int = 0, # the run's seed
                            allow_changes=(), # config keys a resume may change ("max_steps", ...), or True for any
                            tasks: Optional[Sequence[str]] = None, # score the exported student on these harness tasks when done
                            sts_dir=None, # STS folder for `tasks` (None: CAPTIONBERT_STS_DIR, the development copy, else the hub)
-                           roster: Optional[str] = None # the teacher roster (teachers.ROSTERS); None = the alignment preset's own
+                           roster: Optional[str] = None, # the teacher roster (teachers.ROSTERS); None = the alignment preset's own
+                           train_config: Optional[TrainConfig] = None, # a whole TrainConfig instead of the preset's (max_steps, roster still apply)
+                           encoder_config=None, # the student's EncoderConfig instead of the preset's (its out_dim set from the targets)
+                           evaluate_extra: Optional[Callable] = None # (model, gauges, step) -> dict, merged into the gauge record at every evaluation
                           ) -> ConsensusRun:
     "Targets -> tokenized captions -> student -> the one training loop (-> the harness); returns the run and the trained model."
     from captionbert.core import code_version, resolve_preset, sha256_bytes
     from captionbert.data import load_tokenizer, runs_dir, stratified_sample
-    from captionbert.encoder import CaptionEncoder, EncoderConfig, n_params
+    from captionbert.encoder import CaptionEncoder, n_params
     preset = TrainConfig.canonical(resolve_preset(preset, TrainConfig.PRESETS, published="v2", section="05_train"))
-    cfg = TrainConfig.preset(preset, roster=roster, **({"max_steps": int(max_steps)} if max_steps else {}))
+    cfg = resolve_train_config(preset, roster, max_steps, train_config)
     run_path = Path(run_dir) if run_dir else runs_dir(f"05_train-{cfg.label(preset)}-seed{seed}")
     rank, world = _world()
     dev = pick_device(device) if not isinstance(device, torch.device) else device
@@ -522,7 +573,7 @@ def run_consensus_training(seed: int = 0, # the run's seed
     eval_rows = stratified_sample(corpus.lengths, cfg.eval_rows, seed=seed + 101)
     train_rows = np.setdiff1d(tg.row_ids.numpy(), eval_rows)
     train_rows = train_rows[train_rows < training_range(cfg, len(corpus), data_fraction)]
-    enc_cfg = EncoderConfig.preset(cfg.encoder, out_dim=tg.targets.dim)
+    enc_cfg = resolve_encoder_config(cfg, tg.targets.dim, encoder_config)
     set_seed(seed); model = CaptionEncoder(enc_cfg)
     corpus_id = {"source_fingerprint": tg.source_fingerprint, "frame": tg.frame, "targets_fingerprint": tg.fingerprint, "train_rows": int(len(train_rows)), "data_fraction": data_fraction,
                  "train_rows_sha256": sha256_bytes(train_rows.astype(np.int64).tobytes())}
@@ -535,9 +586,10 @@ def run_consensus_training(seed: int = 0, # the run's seed
         print(f"[{preset}] student {model} ({enc_cfg.layers}x{enc_cfg.hidden}, out {enc_cfg.out_dim}); {len(train_rows)} training rows "
               f"({plan.batches_per_epoch} batches of {cfg.batch_size} an epoch, {cfg.max_steps / plan.batches_per_epoch:.1f} epochs), "
               f"{len(eval_rows)} held-out rows for the gauges; run directory {run.path}")
+    gauges = ConsensusGauges(corpus, tg.targets, eval_rows, texts_of(source, eval_rows))
     result = train(model, plan, ConsensusLoss(tg.targets, cfg.temperature, cfg.mse_weight), cfg, run, corpus_id,
-                   ConsensusGauges(corpus, tg.targets, eval_rows, texts_of(source, eval_rows)), resume=resume, device=dev, progress=progress,
-                   config=config, allow_changes=allow_changes)
+                   gauges if evaluate_extra is None else with_extra(gauges, evaluate_extra), resume=resume, device=dev,
+                   progress=progress, config=config, allow_changes=allow_changes)
     job = ConsensusRun(preset, seed, cfg, run, model, tg, corpus, train_rows, eval_rows, result)
     if tasks and result.completed and rank == 0: job.student = score_student(job, tasks, sts_dir, device=dev)
     return job
@@ -634,22 +686,26 @@ def train_memory_estimate(enc_cfg, # an EncoderConfig
                           tokens: int = 256, # tokens a row (the ceiling: the largest batch)
                           precision: str = "bf16" # activation precision
                          ) -> dict:
-    "Bytes of GPU memory a training step needs, by formula: 16 B/param + layers x 34 B x tokens x rows x hidden (x2 in fp32)."
+    "An estimate (a formula, not a measurement) of a training step's GPU bytes: 16 B/param + activations of (34 x layers, or with enc_cfg.gradient_checkpointing 34 + 2 x layers) B x tokens x rows x hidden (x2 in fp32)."
     from captionbert.encoder import CaptionEncoder, n_params
     with torch.device("meta"): params = n_params(CaptionEncoder(enc_cfg))          # counted without allocating a weight
-    act = enc_cfg.layers * 34 * tokens * rows * enc_cfg.hidden * (2 if precision == "fp32" else 1)
-    return {"rows": rows, "tokens": tokens, "params": params, "state_bytes": 16 * params, "activation_bytes": act,
-            "total_gb": round((16 * params + act) / 1e9, 2)}
+    ckpt = bool(enc_cfg.gradient_checkpointing)
+    per_sbh = 34 + 2 * enc_cfg.layers if ckpt else 34 * enc_cfg.layers              # recompute: one layer's activations + every layer's input
+    act = per_sbh * tokens * rows * enc_cfg.hidden * (2 if precision == "fp32" else 1)
+    return {"rows": rows, "tokens": tokens, "params": params, "gradient_checkpointing": ckpt, "state_bytes": 16 * params,
+            "activation_bytes": act, "total_gb": round((16 * params + act) / 1e9, 2)}
 
 def plan_run(preset: str = "auto", # as for run_consensus_training
              seed: int = 0, roster: Optional[str] = None, max_steps: Optional[int] = None,
              world_size: int = 1, # processes the run would use (each takes batch_size / world_size rows)
-             data_fraction: float = 1.0) -> dict:
+             data_fraction: float = 1.0,
+             train_config: Optional[TrainConfig] = None, # as for run_consensus_training: a whole TrainConfig instead of the preset's
+             encoder_config=None # as for run_consensus_training: the student's EncoderConfig (out_dim set from the targets)
+            ) -> dict:
     "The resolved plan of a training run, computed with no network and no GPU (see core.emit_plan for the shared keys)."
     from captionbert.core import resolve_preset, sha256_bytes
-    from captionbert.encoder import EncoderConfig
     name = TrainConfig.canonical(resolve_preset(preset, TrainConfig.PRESETS, published="v2", section="05_train"))
-    cfg = TrainConfig.preset(name, roster=roster, **({"max_steps": int(max_steps)} if max_steps else {}))
+    cfg = resolve_train_config(name, roster, max_steps, train_config)
     acfg = cfg.alignment_config()
     published = acfg.name == "published"
     corpus_rows = acfg.limit if (published and acfg.limit) else len(acfg.caption_source(verbose=False))   # a local file: no network
@@ -661,7 +717,7 @@ def plan_run(preset: str = "auto", # as for run_consensus_training
     maps["id"] = sha256_bytes(json.dumps(to_jsonable(acfg), sort_keys=True).encode())[:16]   # the config the maps are fit from
     device = "cuda" if published else pick_device().type
     precision = cfg.precision or ("bf16" if device == "cuda" else "fp32")
-    enc = EncoderConfig.preset(cfg.encoder, out_dim=width)
+    enc = resolve_encoder_config(cfg, width, encoder_config)
     per_rank = cfg.batch_size // world_size
     targets_dir = f"runs/consensus-{acfg.label}"
     launch = f"torchrun --nproc-per-node {world_size} -m captionbert.train" if world_size > 1 else "python -m captionbert.train"

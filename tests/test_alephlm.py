@@ -1,6 +1,6 @@
 """AlephLM-0 beyond its notebook: the a1/a2 step-time command, an anchored export whose config names another arm,
-the 06a inspector on an anchored trunk, the NaN guard in training mode, and the recipe hand-over restoring what it
-patched."""
+the 06a inspector on an anchored trunk, the NaN guard in training mode, and an arm's recipe reaching the one loop as
+arguments (recorded in the run's config, routing vitals in its gauge records, another arm's resume refused)."""
 import json
 import tempfile
 from pathlib import Path
@@ -64,14 +64,25 @@ def test_nan_guard_in_training_with_checkpointing():
         m(ids)
 
 
-def test_recipe_hand_over_restores_what_it_patched():
+def test_an_arm_reaches_the_one_loop_as_arguments(tmp_path):
+    "train_arm_run hands its recipe, encoder and vitals to run_consensus_training: nothing patched, all recorded, a resume as another arm refused."
     import captionbert.train as T
-    from captionbert.alephlm import AlephConfig, _recipe
-    cfg = AlephConfig.smoke()
+    from captionbert.alephlm import AlephConfig, train_arm_run
+    from captionbert.core import GuardError, to_jsonable
     before = (T.TrainConfig.preset, EncoderConfig.preset, T.ConsensusGauges)
-    tc, enc = cfg.train_config("a3"), cfg.encoder_config("a3", out_dim=48)
-    with _recipe(tc, enc, 8):
-        assert T.TrainConfig.preset("smoke", roster=None, max_steps=7) == tc.__class__(**{**tc.__dict__, "max_steps": 7})
-        assert EncoderConfig.preset("tiny", out_dim=32) == enc.__class__(**{**enc.__dict__, "out_dim": 32})
-        assert T.ConsensusGauges is not before[2] and issubclass(T.ConsensusGauges, before[2])
+    cfg = AlephConfig.smoke(recipe=(("eval_every", 2),), vitals_rows=16)
+    job = train_arm_run(cfg, "a3", 0, tmp_path / "a3", "build", max_steps=4)
     assert (T.TrainConfig.preset, EncoderConfig.preset, T.ConsensusGauges) == before
+    want_enc = cfg.encoder_config("a3", out_dim=job.targets.targets.dim)
+    run_cfg = json.loads((tmp_path / "a3" / "config.json").read_text())
+    assert run_cfg["encoder"] == to_jsonable(want_enc) and run_cfg["encoder"]["freeze_anchors"] is True
+    assert run_cfg["train"] == to_jsonable(cfg.train_config("a3", max_steps=4)) and run_cfg["train"]["name"] == "aleph-a3-smoke"
+    gauges = [r for r in job.run.metrics() if "gauge/target_cosine" in r]
+    assert [r["step"] for r in gauges] == [2, 4] and all("routing/dispatch_share" in r and "routing/amplitude/block1" in r for r in gauges)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    tb = EventAccumulator(str(tmp_path / "a3" / "tensorboard")); tb.Reload()
+    assert "routing/dispatch_share" in tb.Tags()["scalars"]                          # the vitals reach TensorBoard as the gauges do
+    with pytest.raises(GuardError, match="encoder.freeze_anchors: True -> False"):   # a1 into a3's directory
+        train_arm_run(cfg, "a1", 0, tmp_path / "a3", str(job.targets.folder), max_steps=6)
+    dense = train_arm_run(cfg, "a2", 0, tmp_path / "a2", str(job.targets.folder), max_steps=2)
+    assert not any(k.startswith("routing/") for r in dense.run.metrics() for k in r)   # a dense trunk adds no vitals

@@ -19,8 +19,19 @@ N, SHARD = 120, 16                     # 8 shards: rank 0 takes 00000, 00002, ..
 
 def _embed(rank, world, folder):
     store = embed_corpus(SceneGrammar(n=N, seed=5), load_teachers(roster("offline"), device="cpu"), folder,
-                         shard_size=SHARD, batch_size=8, progress=False)
+                         shard_size=SHARD, batch_size=8, progress=False, distributed=True)
     assert store.complete and store.n_rows == N      # every rank returns the merged store
+
+
+def _embed_alone(rank, world, folder):
+    "Without `distributed`, a process of a group embeds every shard itself and waits on no other rank (as build_consensus does under DDP)."
+    store = embed_corpus(SceneGrammar(n=N, seed=5), load_teachers(roster("offline"), device="cpu"), f"{folder}/rank{rank}",
+                         shard_size=SHARD, batch_size=8, progress=False)
+    assert store.manifest["ranks"] == {"rank-0-of-1": store.manifest["ranks"]["rank-0-of-1"]} and store.n_rows == N
+
+
+def test_a_group_member_embeds_alone_unless_asked_to_share(tmp_path):
+    spawn_gloo(_embed_alone, 2, str(tmp_path))      # with the old default (share whenever a group exists) each would wait at a barrier for the other's half
 
 
 def test_two_gloo_processes_write_the_store_one_process_writes(tmp_path):
