@@ -27,9 +27,9 @@ class _Words:
     def __call__(self, texts, **kw): return {"input_ids": [[101] + [1000 + (hash(t) + i) % 20_000 for i in range(94)] + [102] for t in texts]}
 
 
-def _read_all(get, n, batch=2048, seed=0):
-    "Touch every row once in random batches; the largest RssAnon growth seen, in MB."
-    base, peak = rss_anon_mb(), 0.0
+def _read_all(get, n, batch=2048, seed=0, base=None):
+    "Touch every row once in random batches; the largest RssAnon growth seen over `base` (taken before the store was opened), in MB."
+    base, peak = rss_anon_mb() if base is None else base, 0.0
     for rows in np.array_split(np.random.default_rng(seed).permutation(n), n // batch):
         x = get(rows); del x
         peak = max(peak, rss_anon_mb() - base)
@@ -38,10 +38,11 @@ def _read_all(get, n, batch=2048, seed=0):
 
 def test_token_store_reads_200k_rows_without_growing_anonymous_memory(tmp_path):
     n = 200_000
-    store = TokenStore.build((f"caption {i}" for i in range(n)), _Words(), tmp_path / "tokens", chunk=20_000, progress=False)
-    gc.collect()
+    TokenStore.build((f"caption {i}" for i in range(n)), _Words(), tmp_path / "tokens", chunk=20_000, progress=False)
+    gc.collect(); base = rss_anon_mb()                             # before opening: an eager open (np.fromfile) would count
+    store = TokenStore.open(tmp_path / "tokens")
     data_mb = store.tokens.nbytes / 2**20                          # 200k x 96 uint16 = 36.6 MB of ids
-    grew = _read_all(lambda rows: store.batch(rows[:256]), n, batch=256)
+    grew = _read_all(lambda rows: store.batch(rows[:256]), n, batch=256, base=base)
     assert len(store) == n and data_mb > 30
     assert grew < 0.25 * data_mb, f"RssAnon grew {grew:.1f} MB while reading {data_mb:.1f} MB of token ids: they are being loaded into RAM"
 
@@ -54,12 +55,12 @@ def test_targets_read_by_row_id_from_memory_mapped_shards(tmp_path):
         p = tmp_path / "targets" / f"shard-{k:05d}.safetensors"; p.parent.mkdir(exist_ok=True)
         save_file({"targets": torch.randn(shard, d, generator=g), "row_ids": torch.arange(lo, lo + shard)}, str(p))
         shards[f"{k:05d}"] = {"rows": [lo, lo + shard], "n": shard}
+    gc.collect(); base = rss_anon_mb()                             # before opening: an eager TargetRows (get_tensor per shard) would count
     tr = TargetRows(tmp_path, {"shards": shards, "dim": d})
     want = torch.randn(shard, d, generator=torch.Generator().manual_seed(3))[[7, 11]]
     assert torch.equal(tr[[3 * shard + 7, 3 * shard + 11]], want)                     # row ids, across shards, not positions
-    gc.collect()
     data_mb = n * d * 4 / 2**20
-    grew = _read_all(lambda rows: tr[rows], n)
+    grew = _read_all(lambda rows: tr[rows], n, base=base)
     assert grew < 0.1 * data_mb, f"RssAnon grew {grew:.1f} MB while reading {data_mb:.0f} MB of targets: they are being loaded into RAM"
 
 
