@@ -137,8 +137,7 @@ def _set_rng_state(s: dict):
     random.setstate(s["python"]); np.random.set_state(s["numpy"]); torch.set_rng_state(s["torch"])
     if "cuda" in s and torch.cuda.is_available(): torch.cuda.set_rng_state_all(s["cuda"])
 
-def _world() -> tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+from .teachers import dist_world as _world   # the one (rank, world size) helper: teachers.dist_world
 
 def _unwrap(model): return model.module if hasattr(model, "module") else model
 
