@@ -1,9 +1,14 @@
 """The scale rehearsal, small: `python -m captionbert.rehearsal` runs every published stage and prints one JSON object."""
 import json
+import pytest
+from pathlib import Path
 import subprocess
 import sys
 
 from safetensors import safe_open
+
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="RssAnon is read from /proc (Linux)")
 
 
 def test_rehearsal_command_small(tmp_path):
@@ -22,4 +27,7 @@ def test_rehearsal_command_small(tmp_path):
         assert f.get_tensor("row_ids").tolist() == list(range(768, 1000))
     steps = [json.loads(l) for l in (out / "run" / "metrics.jsonl").read_text().splitlines() if '"step"' in l]
     assert res["completed"] and max(s["step"] for s in steps) == 12
-    assert res["processes_sampled"] >= 4 and res["peak_rss_anon_mb"] >= max(res["peak_rss_anon_mb_by_stage"].values())
+    assert res["processes_sampled"] >= 4                        # the launcher, 2 embedding ranks and this process were all sampled
+    # a RAM budget that can be missed: the 50k and 200k rehearsals peaked at 1,288 MB; a loader that held every row's
+    # tokens, vectors and targets at once, or a leak per stage, shows up above it long before published size
+    assert 0 < res["peak_rss_anon_mb"] < 3000, res["peak_rss_anon_mb_by_stage"]

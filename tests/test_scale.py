@@ -2,6 +2,8 @@
 files, so the process's anonymous memory (RssAnon) does not grow with the rows read; and the dry-run plans of v2 / v2b."""
 import gc
 import json
+import pytest
+from pathlib import Path
 import subprocess
 import sys
 
@@ -11,6 +13,9 @@ from safetensors.torch import save_file
 
 from captionbert.consensus import TargetRows
 from captionbert.data import TokenStore
+
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="RssAnon is read from /proc (Linux)")
 
 
 def rss_anon_mb() -> float:
