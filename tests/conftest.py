@@ -37,3 +37,16 @@ def sts_dir():
     if d is None or not d.is_dir():
         pytest.skip(f"the STS test sets are not on this machine: set {STS_DIR_VAR} to a folder of <task>.tsv files")
     return d
+
+
+@pytest.fixture(autouse=True)
+def private_tempdir(tmp_path, monkeypatch):
+    """Whatever a test writes through `tempfile` — in this process (notebooks run in-process) or in a kernel or worker it
+    starts (TMPDIR) — lands in the test's own folder, removed when the test ends: a smoke study writes hundreds of MB
+    and CI's disk is finite."""
+    import shutil, tempfile
+    d = tmp_path / "tempfile"; d.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(d))
+    monkeypatch.setenv("TMPDIR", str(d))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
