@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from .benchmark import DEV_TASKS, TASK_NAMES
 from .core import GuardError, atomic_path
-from .data import (Batch, FlickrImages, PairSet, RELATIONS, SceneGrammar, Scene, SceneObject, assert_train_only, caption_pairs,
+from .data import (Batch, FlickrImages, PairSet, RELATIONS, SceneGrammar, Scene, SceneObject, assert_no_held_out_text, assert_train_only, caption_pairs,
                               collate, flickr_unavailable, load_flickr_images)
 from .encoder import CaptionEncoder, EncoderConfig, n_params, set_residual_hook
 
@@ -274,6 +274,8 @@ class PairPlan:
                  table: Optional[FlickrImages] = None # the table that says each source image's split; None: load_flickr_images() when needed
                 ):
         if pairs.sources is not None: assert_train_only(pairs, table if table is not None else load_flickr_images())
+        elif table is not None or flickr_unavailable() is None:   # pairs without source images: no dev or test caption among their texts
+            assert_no_held_out_text(pairs, table if table is not None else load_flickr_images())
         self.pairs, self.batch_size, self.seed = pairs, batch_size, seed
         self.a = tokenizer(pairs.a, truncation=True, max_length=max_tokens)["input_ids"]
         self.b = tokenizer(pairs.b, truncation=True, max_length=max_tokens)["input_ids"]

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from .core import atomic_write_json, code_version, sha256_bytes
 from .data import STS_DIR_VAR, bundled_minilm_path, find_data, repo_root
 from .gauges import effective_rank, entropy_effective_rank, self_cosine, simplex_cv, spearman
-from .teachers import TeacherGroup, TeacherSpec
+from .teachers import TeacherGroup, TeacherSpec, require_source
 from .data import collate, load_tokenizer, sorted_batches
 from .encoder import CaptionEncoder
 
@@ -204,6 +204,7 @@ def teacher_encoder(spec: TeacherSpec, # a teacher view
                     **kw) -> HFEncoder:
     "A teacher view behind the Encoder protocol, at its own truncation unless `max_length` is given."
     kw.setdefault("max_length", spec.max_length)
+    require_source(spec)                        # a PyPI-shipped teacher without its package: the error names the extra
     return HFEncoder(spec.source, name=name or spec.name, family=spec.family, layer=spec.layer, **kw)
 
 def _paraphrase_l3():
@@ -365,7 +366,7 @@ def main(argv: Sequence[str] | None = None):
     ap.add_argument("--max-length", type=int, default=None, help="truncation in the model's tokens (default 512; 256 for minilm, 128 for paraphrase-minilm-l3)")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--device", default=None)
-    ap.add_argument("--retrieval", action="store_true", help="also score Flickr8k caption-to-caption retrieval on the test images "
+    ap.add_argument("--retrieval", action="store_true", help="also score Flickr8k caption-to-caption retrieval on the test images (and the dev images beside them) "
                     "(02a_retrieval; outside the STS mean; needs CAPTIONBERT_FLICKR_IMAGES or the development copy)")
     a = ap.parse_args(argv)
     kw = {"batch_size": a.batch_size, "device": a.device}
@@ -374,8 +375,9 @@ def main(argv: Sequence[str] | None = None):
     res = evaluate(enc, a.tasks, sts_dir=a.sts_dir, extra={"params": getattr(enc, "n_params", None)})
     if a.retrieval:
         from captionbert.retrieval import evaluate_retrieval, retrieval_table   # retrieval builds on this module
-        res["retrieval"] = evaluate_retrieval(enc, split="test", progress=False)
-        print(retrieval_table([res["retrieval"]]))
+        res["retrieval"] = evaluate_retrieval(enc, split="test", progress=False)          # reported
+        res["retrieval_dev"] = evaluate_retrieval(enc, split="dev", progress=False)      # the selection split, printed beside it
+        print(retrieval_table([res["retrieval"], res["retrieval_dev"]]))
     if a.out: print(f"results written to {save_results(res, a.out)}")
     rows = [res] + [load_results(p) for p in a.compare] + (published_results() if a.published else [])
     print(results_table(rows))

