@@ -6,7 +6,8 @@
 # %% auto #0
 __all__ = ['SIZE_TO_ARCH', 'POSITION_KINDS', 'ROUTERS', 'FFN_KINDS', 'EncoderConfig', 'LearnedPositions', 'NoPositions',
            'Attention', 'DenseFFN', 'signed_route', 'softmax_route', 'AnchoredFFN', 'Block', 'EncoderOutput',
-           'CaptionEncoder', 'set_residual_hook', 'n_params']
+           'CaptionEncoder', 'set_residual_hook', 'n_params', 'ntk_inv_freq', 'rotary_phases', 'apply_rotary',
+           'RotaryPositions']
 
 # %% ../nbs/01b_encoder.ipynb #915b9118
 import dataclasses, importlib, math
@@ -354,3 +355,67 @@ def set_residual_hook(model: CaptionEncoder, hook) -> CaptionEncoder:
 def n_params(model: nn.Module) -> int:
     "Number of parameters."
     return sum(p.numel() for p in model.parameters())
+
+# %% ../nbs/01b_encoder.ipynb #085ba583
+def ntk_inv_freq(head_dim: int, # d: the width rotated (a head's width)
+                 base: float = 10000.0, # the RoPE base
+                 scale: float = 1.0 # NTK scale s: the longest wavelength is stretched s-fold
+                ) -> torch.Tensor:
+    "Rotary inverse frequencies [d/2] (float64) on the NTK-scaled base `base * s^(d/(d-2))`."
+    if head_dim % 2 or head_dim < 4: raise ValueError(f"rotary positions need an even head width of at least 4, got {head_dim}: choose hidden/heads even")
+    if not scale >= 1.0: raise ValueError(f"rope_scale must be >= 1 (1 = plain RoPE), got {scale}")
+    b = base * scale ** (head_dim / (head_dim - 2))
+    return 1.0 / b ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+
+def rotary_phases(pos: torch.Tensor, # [..., L] positions (any integers, e.g. shifted)
+                  inv_freq: torch.Tensor # [d/2]
+                 ) -> tuple:
+    "cos and sin of the angles pos * inv_freq, each [..., L, d/2], float32."
+    ang = pos.to(torch.float32).unsqueeze(-1) * inv_freq.to(device=pos.device, dtype=torch.float32)   # [..., L, d/2]
+    return ang.cos(), ang.sin()
+
+def apply_rotary(x: torch.Tensor, # [B, H, L, d] queries or keys
+                 cos: torch.Tensor, sin: torch.Tensor # [L, d/2] or broadcastable to [B, H, L, d/2]
+                ) -> torch.Tensor:
+    "Rotate each pair (x_i, x_{i+d/2}) by its angle (rotate-half RoPE), in float32; returned in x's dtype."
+    x1, x2 = x.float().chunk(2, -1)                                   # 2 x [B, H, L, d/2]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).to(x.dtype)
+
+def _refuse_position_mismatch(prefix: str, state: dict, ours: str):
+    "Raise if `state` holds another position scheme's weights at `prefix` than `ours` (learned or rotary)."
+    theirs = "learned" if prefix + "embedding.weight" in state else "rotary" if prefix + "rope_spec" in state else None
+    if theirs is not None and theirs != ours:
+        raise ValueError(f"{prefix or 'positions.'}: these weights are of a {theirs}-position encoder, but this encoder's positions are {ours}: "
+                         "a checkpoint of one position scheme does not load into another; build the encoder with the checkpoint's config")
+
+class RotaryPositions(nn.Module):
+    "Relative rotary positions (no learned table): q and k rotated by token position, NTK-scaled by `rope_scale`."
+    kind = "rotary"
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        self.max_positions, self.head_dim = cfg.max_positions, cfg.hidden // cfg.heads
+        self.register_buffer("inv_freq", ntk_inv_freq(self.head_dim, cfg.rope_base, cfg.rope_scale).float(), persistent=False)
+        self.register_buffer("rope_spec", torch.tensor([cfg.rope_base, cfg.rope_scale], dtype=torch.float32))   # saved: ties weights to phases
+    def embed(self, x):                                                # x: [B, L, D]
+        L = x.shape[1]
+        if L > self.max_positions:
+            raise ValueError(f"input has {L} tokens but this rotary encoder's checked capacity is {self.max_positions} (max_positions): "
+                             f"truncate to {self.max_positions} tokens (the tokenizer's max_length) or split the text")
+        return x
+    def rotate(self, q, k):                                            # q, k: [B, H, L, d]
+        cos, sin = rotary_phases(torch.arange(q.shape[-2], device=q.device), self.inv_freq)   # [L, d/2]
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    def _load_from_state_dict(self, state, prefix, *args, **kw):
+        _refuse_position_mismatch(prefix, state, "rotary")
+        spec = state.get(prefix + "rope_spec")
+        if spec is not None and not torch.equal(spec.cpu().float(), self.rope_spec.cpu()):
+            raise ValueError(f"{prefix}rope_spec: these weights were trained with rotary (base, scale) = {tuple(spec.tolist())}, but this encoder has "
+                             f"{tuple(self.rope_spec.tolist())}: build it with the checkpoint's rope_base and rope_scale")
+        super()._load_from_state_dict(state, prefix, *args, **kw)
+    def extra_repr(self): return f"base {self.rope_spec[0].item():g}, scale {self.rope_spec[1].item():g}, capacity {self.max_positions}"
+
+def _learned_load(self, state, prefix, *args, **kw):
+    _refuse_position_mismatch(prefix, state, "learned")
+    nn.Module._load_from_state_dict(self, state, prefix, *args, **kw)
+LearnedPositions._load_from_state_dict = _learned_load                 # learned weights and rotary weights refuse each other
+POSITION_KINDS["rotary"] = RotaryPositions
