@@ -393,8 +393,10 @@ class RotaryPositions(nn.Module):
     kind = "rotary"
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
-        self.max_positions, self.head_dim = cfg.max_positions, cfg.hidden // cfg.heads
-        self.register_buffer("inv_freq", ntk_inv_freq(self.head_dim, cfg.rope_base, cfg.rope_scale).float(), persistent=False)
+        self.max_positions, self.head_dim, self.base, self.scale = cfg.max_positions, cfg.hidden // cfg.heads, cfg.rope_base, cfg.rope_scale
+        ntk_inv_freq(self.head_dim, self.base, self.scale)             # bad settings are refused at construction
+        self._tables = {}                                              # device -> (cos, sin) [max_positions, d/2]: plain attributes, never
+        # buffers, so a loader that builds the model on the meta device and fills only saved tensors (from_pretrained) recomputes them
         self.register_buffer("rope_spec", torch.tensor([cfg.rope_base, cfg.rope_scale], dtype=torch.float32))   # saved: ties weights to phases
     def embed(self, x):                                                # x: [B, L, D]
         L = x.shape[1]
@@ -403,8 +405,13 @@ class RotaryPositions(nn.Module):
                              f"truncate to {self.max_positions} tokens (the tokenizer's max_length) or split the text")
         return x
     def rotate(self, q, k):                                            # q, k: [B, H, L, d]
-        cos, sin = rotary_phases(torch.arange(q.shape[-2], device=q.device), self.inv_freq)   # [L, d/2]
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        cos, sin = self.tables(q.device); L = q.shape[-2]
+        return apply_rotary(q, cos[:L], sin[:L]), apply_rotary(k, cos[:L], sin[:L])
+    def tables(self, device):
+        "cos and sin of every position up to the capacity, [max_positions, d/2] float32, computed once a device."
+        if device not in self._tables:
+            self._tables[device] = rotary_phases(torch.arange(self.max_positions, device=device), ntk_inv_freq(self.head_dim, self.base, self.scale))
+        return self._tables[device]
     def _load_from_state_dict(self, state, prefix, *args, **kw):
         _refuse_position_mismatch(prefix, state, "rotary")
         spec = state.get(prefix + "rope_spec")
