@@ -176,7 +176,6 @@ def verify_serving(model: CaptionEncoder, # the native model (the one exported, 
                   ) -> ServingReport:
     "Compare `model` with the folder's AutoModel (captionbert unimportable) on every case; the report is a table and a JSON in `folder`."
     import sys, time
-    from unittest import mock
     import transformers
     from transformers import AutoModel
     folder = Path(folder)
@@ -201,8 +200,11 @@ def verify_serving(model: CaptionEncoder, # the native model (the one exported, 
                    {"name": "left_vs_right", "sentence_max_diff": _maxdiff(full["sentence"], left["sentence"]),
                     "token_max_diff": max(_maxdiff(full["token"][b, :n[b]], left["token"][b, 23 - n[b]:]) for b in range(4))}]
     finally: model.train(was_training)
-    hidden = {k: None for k in list(sys.modules) if k == "captionbert" or k.startswith("captionbert.")}
-    with mock.patch.dict(sys.modules, hidden):                          # the AutoModel runs on the folder's code alone
+    # the AutoModel runs on the folder's code alone: every captionbert module is unimportable meanwhile. Only those keys are
+    # put back afterwards (mock.patch.dict would also drop what transformers imports meanwhile, breaking its next model class)
+    ours = {k: sys.modules[k] for k in list(sys.modules) if k == "captionbert" or k.startswith("captionbert.")}
+    try:
+        sys.modules.update(dict.fromkeys(ours, None)); sys.modules.setdefault("captionbert", None)
         hf = AutoModel.from_pretrained(str(folder), trust_remote_code=True).to(device).eval()
         for name, B, L, pad, prec, diag in plan:
             mine, secs, ids, m = native[name]
@@ -226,6 +228,9 @@ def verify_serving(model: CaptionEncoder, # the native model (the one exported, 
                          "sentence_max_diff": d["sentence"], "token_max_diff": d["token"], "max_diff": max(d.values()), "diffs": d,
                          "finite": finite, "shape_ok": shape_ok, "ok": not why, "why": why,
                          "native_seconds": round(secs, 4), "automodel_seconds": round(hf_secs, 4)})
+    finally:
+        for k in [k for k in sys.modules if (k == "captionbert" or k.startswith("captionbert.")) and k not in ours]: del sys.modules[k]
+        sys.modules.update(ours)
     report = ServingReport(str(folder), dataclasses.asdict(model.config), rows, padding, all(r["ok"] for r in rows),
                            {"torch": torch.__version__, "transformers": transformers.__version__, "device": str(device)}, atol)
     if save: atomic_write_json(folder / SERVING_REPORT, dataclasses.asdict(report))
