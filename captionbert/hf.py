@@ -21,7 +21,13 @@ HF_WRAPPER = '''
 
 # ---- Hugging Face wrapper -------------------------------------------------------------------------------------------
 from transformers import PretrainedConfig, PreTrainedModel
+from dataclasses import dataclass as _dataclass
 from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+
+@_dataclass
+class CaptionBertOutput(BaseModelOutputWithPooling):
+    pointer_loss: Optional[torch.FloatTensor] = None   # a binding option's auxiliary pointer loss, when requested
 
 
 class CaptionBertConfig(PretrainedConfig):
@@ -46,11 +52,19 @@ class CaptionBertModel(PreTrainedModel):
         pass  # every weight comes from model.safetensors
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, output_hidden_states=False,
-                output_attentions=False, return_dict=True, **kwargs):
-        o = self.encoder(input_ids, attention_mask, output_hidden_states=bool(output_hidden_states),
-                         output_attentions=bool(output_attentions), token_type_ids=token_type_ids)
-        return BaseModelOutputWithPooling(last_hidden_state=o.last_hidden_state, pooler_output=o.pooler_output,
-                                          hidden_states=o.hidden_states, attentions=o.attentions)
+                output_attentions=False, return_dict=True, output_pointer_loss=False, **kwargs):
+        pos = self.encoder.positions
+        if output_pointer_loss and not hasattr(pos, "record_pointer"):
+            raise ValueError(f"output_pointer_loss: this model's positions ({self.encoder.config.position}) have no pointer loss; only binding options do")
+        was = getattr(pos, "record_pointer", False)
+        if output_pointer_loss: pos.record_pointer = True
+        try:
+            o = self.encoder(input_ids, attention_mask, output_hidden_states=bool(output_hidden_states),
+                             output_attentions=bool(output_attentions), token_type_ids=token_type_ids)
+        finally:
+            if hasattr(pos, "record_pointer"): pos.record_pointer = was
+        return CaptionBertOutput(last_hidden_state=o.last_hidden_state, pooler_output=o.pooler_output, hidden_states=o.hidden_states,
+                                 attentions=o.attentions, pointer_loss=o.pointer_loss if output_pointer_loss else None)
 '''
 
 def modeling_source(extra_modules: tuple = ()) -> str:
@@ -124,6 +138,7 @@ def serving_inputs(batch: int, length: int, padding: str, seed: int = 0, vocab: 
     "Deterministic (input_ids, attention_mask) [B, L] for a serving case: [CLS] ... [SEP], then right padding as asked."
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1000, vocab, (batch, length), generator=g); ids[:, 0] = 101
+    if length >= 8: ids[:, 4:7] = ids[:, 1:4]                           # a repeated span: a binding option's pointer has targets
     n = torch.full((batch,), length)
     if padding == "right": n[-1] = max(2, length - length // 3)
     elif padding == "mixed": n = torch.randint(2, length + 1, (batch,), generator=g); n[0] = length
@@ -140,11 +155,21 @@ def _precision(device: torch.device, name: str):
     return torch.autocast(device.type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[name])
 
 def _outputs(model, ids, m, precision, diagnostics, device):
-    with torch.no_grad(), _precision(device, precision):
-        o = model(input_ids=ids.to(device), attention_mask=m.to(device), output_hidden_states=diagnostics, output_attentions=diagnostics)
+    native = isinstance(model, CaptionEncoder)
+    pos = model.positions if native else model.encoder.positions
+    pointer = diagnostics and hasattr(pos, "record_pointer")          # a binding option: its pointer loss is a diagnostic too
+    kw = {"output_pointer_loss": True} if pointer and not native else {}
+    was = getattr(pos, "record_pointer", False)
+    if pointer and native: pos.record_pointer = True
+    try:
+        with torch.no_grad(), _precision(device, precision):
+            o = model(input_ids=ids.to(device), attention_mask=m.to(device), output_hidden_states=diagnostics, output_attentions=diagnostics, **kw)
+    finally:
+        if pointer: pos.record_pointer = was
     f = lambda t: None if t is None else t.detach().float().cpu()
     return {"sentence": f(o.pooler_output), "token": f(o.last_hidden_state),
-            "hidden": [f(t) for t in o.hidden_states] if diagnostics else None, "attn": [f(t) for t in o.attentions] if diagnostics else None}
+            "hidden": [f(t) for t in o.hidden_states] if diagnostics else None, "attn": [f(t) for t in o.attentions] if diagnostics else None,
+            "pointer": f(o.pointer_loss).reshape(1) if pointer else None}
 
 def _maxdiff(a, b): return float((a - b).abs().max()) if a.numel() else 0.0
 
@@ -213,6 +238,7 @@ def verify_serving(model: CaptionEncoder, # the native model (the one exported, 
             if diag:
                 d["hidden_states"] = max(_maxdiff(a, b) for a, b in zip(mine["hidden"], theirs["hidden"]))
                 d["attentions"] = max(_maxdiff(a, b) for a, b in zip(mine["attn"], theirs["attn"]))
+            if mine["pointer"] is not None: d["pointer_loss"] = _maxdiff(mine["pointer"], theirs["pointer"])
             finite = all(bool(torch.isfinite(o[k]).all()) for o in (mine, theirs) for k in ("sentence", "token"))
             cfg = model.config
             shape_ok = all(tuple(o["token"].shape) == (B, L, cfg.hidden) and tuple(o["sentence"].shape) == (B, cfg.out_dim) for o in (mine, theirs))
@@ -227,6 +253,7 @@ def verify_serving(model: CaptionEncoder, # the native model (the one exported, 
             rows.append({"name": name, "batch": B, "length": L, "padding": pad, "precision": prec, "diagnostics": diag,
                          "sentence_max_diff": d["sentence"], "token_max_diff": d["token"], "max_diff": max(d.values()), "diffs": d,
                          "finite": finite, "shape_ok": shape_ok, "ok": not why, "why": why,
+                         **({"pointer_loss": float(mine["pointer"][0])} if mine["pointer"] is not None else {}),
                          "native_seconds": round(secs, 4), "automodel_seconds": round(hf_secs, 4)})
     finally:
         for k in [k for k in sys.modules if (k == "captionbert" or k.startswith("captionbert.")) and k not in ours]: del sys.modules[k]
