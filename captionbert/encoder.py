@@ -6,8 +6,8 @@
 # %% auto #0
 __all__ = ['SIZE_TO_ARCH', 'POSITION_KINDS', 'ROUTERS', 'FFN_KINDS', 'EncoderConfig', 'LearnedPositions', 'NoPositions',
            'Attention', 'DenseFFN', 'signed_route', 'softmax_route', 'AnchoredFFN', 'Block', 'EncoderOutput',
-           'CaptionEncoder', 'set_residual_hook', 'n_params', 'ntk_inv_freq', 'rotary_phases', 'apply_rotary',
-           'RotaryPositions', 'wordpiece_kinds', 'base8_address', 'HierarchicalRotary', 'BindingRotary',
+           'CaptionEncoder', 'set_residual_hook', 'n_params', 'ntk_inv_freq', 'rotary_phases', 'full_width',
+           'apply_rotary', 'RotaryPositions', 'wordpiece_kinds', 'base8_address', 'HierarchicalRotary', 'BindingRotary',
            'pointer_targets', 'pointer_loss']
 
 # %% ../nbs/01b_encoder.ipynb #915b9118
@@ -382,12 +382,18 @@ def rotary_phases(pos: torch.Tensor, # [..., L] positions (any integers, e.g. sh
     ang = pos.to(torch.float32).unsqueeze(-1) * inv_freq.to(device=pos.device, dtype=torch.float32)   # [..., L, d/2]
     return ang.cos(), ang.sin()
 
+def full_width(cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+    "Half-width phases [..., d/2] as the full-width tables apply_rotary multiplies by: (cos, cos) and (-sin, sin), [..., d]."
+    return torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+
 def apply_rotary(x: torch.Tensor, # [B, H, L, d] queries or keys
-                 cos: torch.Tensor, sin: torch.Tensor # [L, d/2] or broadcastable to [B, H, L, d/2]
+                 cos: torch.Tensor, sin: torch.Tensor # [L, d/2] phases (or full-width [L, d] tables from full_width), broadcastable over B, H
                 ) -> torch.Tensor:
     "Rotate each pair (x_i, x_{i+d/2}) by its angle (rotate-half RoPE), in float32; returned in x's dtype."
-    x1, x2 = x.float().chunk(2, -1)                                   # 2 x [B, H, L, d/2]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).to(x.dtype)
+    if cos.shape[-1] * 2 == x.shape[-1]: cos, sin = full_width(cos, sin)
+    xf = x.float(); x1, x2 = xf.chunk(2, -1)                          # 2 x [B, H, L, d/2]
+    # (x1 cos - x2 sin, x2 cos + x1 sin) in three kernels: x*cos + (x2, x1)*(-sin, sin)
+    return torch.addcmul(xf * cos, torch.cat([x2, x1], -1), sin).to(x.dtype)
 
 def _refuse_position_mismatch(prefix: str, state: dict, ours: str):
     "Raise if `state` holds another position scheme's weights at `prefix` than `ours` (learned or rotary)."
@@ -403,7 +409,7 @@ class RotaryPositions(nn.Module):
         super().__init__()
         self.max_positions, self.head_dim, self.base, self.scale = cfg.max_positions, cfg.hidden // cfg.heads, cfg.rope_base, cfg.rope_scale
         ntk_inv_freq(self.head_dim, self.base, self.scale)             # bad settings are refused at construction
-        self._tables = {}                                              # device -> (cos, sin) [max_positions, d/2]: plain attributes, never
+        self._tables = {}                                              # device -> (cos, sin) [max_positions, d]: plain attributes, never
         # buffers, so a loader that builds the model on the meta device and fills only saved tensors (from_pretrained) recomputes them
         self.register_buffer("rope_spec", torch.tensor([cfg.rope_base, cfg.rope_scale], dtype=torch.float32))   # saved: ties weights to phases
     def embed(self, x):                                                # x: [B, L, D]
@@ -416,9 +422,9 @@ class RotaryPositions(nn.Module):
         cos, sin = self.tables(q.device); L = q.shape[-2]
         return apply_rotary(q, cos[:L], sin[:L]), apply_rotary(k, cos[:L], sin[:L])
     def tables(self, device):
-        "cos and sin of every position up to the capacity, [max_positions, d/2] float32, computed once a device."
+        "Full-width cos and signed sin of every position up to the capacity, [max_positions, d] float32, computed once a device."
         if device not in self._tables:
-            self._tables[device] = rotary_phases(torch.arange(self.max_positions, device=device), ntk_inv_freq(self.head_dim, self.base, self.scale))
+            self._tables[device] = full_width(*rotary_phases(torch.arange(self.max_positions, device=device), ntk_inv_freq(self.head_dim, self.base, self.scale)))
         return self._tables[device]
     def _load_from_state_dict(self, state, prefix, *args, **kw):
         _refuse_position_mismatch(prefix, state, "rotary")
@@ -513,7 +519,7 @@ class BindingRotary(RotaryPositions):
         layer, self._calls = self._calls, self._calls + 1
         cos, sin = self.tables(q.device); L = q.shape[-2]
         q = apply_rotary(q, cos[:L], sin[:L])                           # queries: their token position
-        k = apply_rotary(k, cos[self._kpos][:, None], sin[self._kpos][:, None])   # keys: [B, 1, L, d/2] phases by word ordinal
+        k = apply_rotary(k, cos[self._kpos][:, None], sin[self._kpos][:, None])   # keys: [B, 1, L, d] phases by word ordinal
         if layer != self.layer: return q, k
         h = self.head
         rec = F.normalize(k[:, h].float(), dim=-1).mul(self.norm).to(k.dtype)    # the record-only norm on the designated head's keys

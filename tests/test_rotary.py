@@ -67,3 +67,15 @@ def test_rotary_export_loaded_as_learned_is_refused(rotary_export):
     cfg["encoder"].update(position="rotary", rope_scale=1.0); (other / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"rotary \(base, scale\) = \(10000.0, 4.0\)"):
         load_pretrained(other)
+
+
+def test_hierarchical_export_serves_like_native():
+    "The third model kind of the rotary card: its value path (given weights, so it matters) travels in the export."
+    from captionbert.data import load_tokenizer
+    from captionbert.hf import SERVING_CASES, export_pretrained, verify_serving
+    torch.manual_seed(0)
+    model = CaptionEncoder(EncoderConfig.tiny(position="hierarchical", rope_scale=4.0)).eval()
+    with torch.no_grad(): model.positions.value_path.normal_(0, 0.5)
+    rep = verify_serving(model, export_pretrained(model, load_tokenizer(), Path(tempfile.mkdtemp()) / "hier"),
+                         cases=[c for c in SERVING_CASES if c[2] <= 64])
+    assert rep.passed, rep
