@@ -6,7 +6,9 @@
 # %% auto #0
 __all__ = ['SIZE_TO_ARCH', 'POSITION_KINDS', 'ROUTERS', 'FFN_KINDS', 'EncoderConfig', 'LearnedPositions', 'NoPositions',
            'Attention', 'DenseFFN', 'signed_route', 'softmax_route', 'AnchoredFFN', 'Block', 'EncoderOutput',
-           'CaptionEncoder', 'set_residual_hook', 'n_params']
+           'CaptionEncoder', 'set_residual_hook', 'n_params', 'ntk_inv_freq', 'rotary_phases', 'full_width',
+           'apply_rotary', 'RotaryPositions', 'wordpiece_kinds', 'base8_address', 'HierarchicalRotary', 'BindingRotary',
+           'pointer_targets', 'pointer_loss']
 
 # %% ../nbs/01b_encoder.ipynb #915b9118
 import dataclasses, importlib, math
@@ -40,6 +42,10 @@ class EncoderConfig:
     position: str = "learned"        # a key of POSITION_KINDS
     rope_base: float = 10000.0       # rotary schemes only
     rope_scale: float = 1.0          # NTK scale, rotary schemes only
+    lookup_layer: int = 0            # binding only: the block of the designated lookup head
+    lookup_head: int = 0             # binding only: the designated lookup head
+    pointer_weight: float = 0.1      # binding only: weight of the auxiliary pointer loss (lookup supervision) in training
+    record_norm: float = 2.18        # binding only: the L2 norm the designated head's keys (the records) are set to
     gradient_checkpointing: bool = False
     init_std: float = 0.02
     experts: int = 3                 # K, anchored FFN only: dispatched experts a block (beside one always-on trunk expert)
@@ -240,6 +246,7 @@ class EncoderOutput:
     hidden_states: Optional[tuple] = None            # (L+1) x [B, L, D]: embeddings, then each block
     attentions: Optional[tuple] = None               # layers x [B, H, L, L]
     routing: Optional[list] = None                   # per-layer routing records of routed parts (None for dense)
+    pointer_loss: Optional[torch.Tensor] = None      # a binding option's auxiliary pointer loss (scalar), when computed
 
 class CaptionEncoder(nn.Module):
     "The student encoder: embeddings -> pre-norm blocks -> final LayerNorm -> readout -> head -> L2 normalize."
@@ -322,6 +329,7 @@ class CaptionEncoder(nn.Module):
         empty = ~token_mask.any(1)                                      # [B] rows with no real token
         if token_mask.all(): mask = None                                # no padding: the fast path
         else: mask = (token_mask | empty[:, None]).view(input_ids.shape[0], 1, 1, -1)   # [B, 1, 1, L]
+        if hasattr(self.positions, "prepare"): self.positions.prepare(input_ids, token_mask)   # schemes that read the tokens (binding)
         x = self.drop(self.emb_norm(self.positions.embed(self.tokens(input_ids))))
         hidden, attns, routing, flags = [x] if output_hidden_states else None, [] if output_attentions else None, [], []
         for block in self.blocks:
@@ -345,7 +353,8 @@ class CaptionEncoder(nn.Module):
         h = self.final_norm(x)
         pooled = F.normalize(self.head(self.readout(h, token_mask)).float(), dim=-1)
         pooled = pooled.masked_fill(empty[:, None], 0.0)
-        return EncoderOutput(h, pooled, tuple(hidden) if hidden else None, tuple(attns) if attns else None, routing or None)
+        return EncoderOutput(h, pooled, tuple(hidden) if hidden else None, tuple(attns) if attns else None, routing or None,
+                             getattr(self.positions, "pointer_loss", None))
 
 def set_residual_hook(model: CaptionEncoder, hook) -> CaptionEncoder:
     "Install `hook(layer, x [B, L, D], token_mask [B, L]) -> x`, called on the residual stream after every block (None removes it)."
@@ -354,3 +363,202 @@ def set_residual_hook(model: CaptionEncoder, hook) -> CaptionEncoder:
 def n_params(model: nn.Module) -> int:
     "Number of parameters."
     return sum(p.numel() for p in model.parameters())
+
+# %% ../nbs/01b_encoder.ipynb #085ba583
+def ntk_inv_freq(head_dim: int, # d: the width rotated (a head's width)
+                 base: float = 10000.0, # the RoPE base
+                 scale: float = 1.0 # NTK scale s: the longest wavelength is stretched s-fold
+                ) -> torch.Tensor:
+    "Rotary inverse frequencies [d/2] (float64) on the NTK-scaled base `base * s^(d/(d-2))`."
+    if head_dim % 2 or head_dim < 4: raise ValueError(f"rotary positions need an even head width of at least 4, got {head_dim}: choose hidden/heads even")
+    if not scale >= 1.0: raise ValueError(f"rope_scale must be >= 1 (1 = plain RoPE), got {scale}")
+    b = base * scale ** (head_dim / (head_dim - 2))
+    return 1.0 / b ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+
+def rotary_phases(pos: torch.Tensor, # [..., L] positions (any integers, e.g. shifted)
+                  inv_freq: torch.Tensor # [d/2]
+                 ) -> tuple:
+    "cos and sin of the angles pos * inv_freq, each [..., L, d/2], float32."
+    ang = pos.to(torch.float32).unsqueeze(-1) * inv_freq.to(device=pos.device, dtype=torch.float32)   # [..., L, d/2]
+    return ang.cos(), ang.sin()
+
+def full_width(cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+    "Half-width phases [..., d/2] as the full-width tables apply_rotary multiplies by: (cos, cos) and (-sin, sin), [..., d]."
+    return torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+
+def apply_rotary(x: torch.Tensor, # [B, H, L, d] queries or keys
+                 cos: torch.Tensor, sin: torch.Tensor # [L, d/2] phases (or full-width [L, d] tables from full_width), broadcastable over B, H
+                ) -> torch.Tensor:
+    "Rotate each pair (x_i, x_{i+d/2}) by its angle (rotate-half RoPE), in float32; returned in x's dtype."
+    if cos.shape[-1] * 2 == x.shape[-1]: cos, sin = full_width(cos, sin)
+    xf = x.float(); x1, x2 = xf.chunk(2, -1)                          # 2 x [B, H, L, d/2]
+    # (x1 cos - x2 sin, x2 cos + x1 sin) in three kernels: x*cos + (x2, x1)*(-sin, sin)
+    return torch.addcmul(xf * cos, torch.cat([x2, x1], -1), sin).to(x.dtype)
+
+def _refuse_position_mismatch(prefix: str, state: dict, ours: str):
+    "Raise if `state` holds another position scheme's weights at `prefix` than `ours` (learned or rotary)."
+    theirs = "learned" if prefix + "embedding.weight" in state else "rotary" if prefix + "rope_spec" in state else None
+    if theirs is not None and theirs != ours:
+        raise ValueError(f"{prefix or 'positions.'}: these weights are of a {theirs}-position encoder, but this encoder's positions are {ours}: "
+                         "a checkpoint of one position scheme does not load into another; build the encoder with the checkpoint's config")
+
+class RotaryPositions(nn.Module):
+    "Relative rotary positions (no learned table): q and k rotated by token position, NTK-scaled by `rope_scale`."
+    kind = "rotary"
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        self.max_positions, self.head_dim, self.base, self.scale = cfg.max_positions, cfg.hidden // cfg.heads, cfg.rope_base, cfg.rope_scale
+        ntk_inv_freq(self.head_dim, self.base, self.scale)             # bad settings are refused at construction
+        self._tables = {}                                              # device -> (cos, sin) [max_positions, d]: plain attributes, never
+        # buffers, so a loader that builds the model on the meta device and fills only saved tensors (from_pretrained) recomputes them
+        self.register_buffer("rope_spec", torch.tensor([cfg.rope_base, cfg.rope_scale], dtype=torch.float32))   # saved: ties weights to phases
+    def embed(self, x):                                                # x: [B, L, D]
+        L = x.shape[1]
+        if L > self.max_positions:
+            raise ValueError(f"input has {L} tokens but this rotary encoder's checked capacity is {self.max_positions} (max_positions): "
+                             f"truncate to {self.max_positions} tokens (the tokenizer's max_length) or split the text")
+        return x
+    def rotate(self, q, k):                                            # q, k: [B, H, L, d]
+        cos, sin = self.tables(q.device); L = q.shape[-2]
+        return apply_rotary(q, cos[:L], sin[:L]), apply_rotary(k, cos[:L], sin[:L])
+    def tables(self, device):
+        "Full-width cos and signed sin of every position up to the capacity, [max_positions, d] float32, computed once a device."
+        if device not in self._tables:
+            self._tables[device] = full_width(*rotary_phases(torch.arange(self.max_positions, device=device), ntk_inv_freq(self.head_dim, self.base, self.scale)))
+        return self._tables[device]
+    def _load_from_state_dict(self, state, prefix, *args, **kw):
+        _refuse_position_mismatch(prefix, state, "rotary")
+        spec = state.get(prefix + "rope_spec")
+        if spec is not None and not torch.equal(spec.cpu().float(), self.rope_spec.cpu()):
+            raise ValueError(f"{prefix}rope_spec: these weights were trained with rotary (base, scale) = {tuple(spec.tolist())}, but this encoder has "
+                             f"{tuple(self.rope_spec.tolist())}: build it with the checkpoint's rope_base and rope_scale")
+        super()._load_from_state_dict(state, prefix, *args, **kw)
+    def extra_repr(self): return f"base {self.rope_spec[0].item():g}, scale {self.rope_spec[1].item():g}, capacity {self.max_positions}"
+
+def _learned_load(self, state, prefix, *args, **kw):
+    _refuse_position_mismatch(prefix, state, "learned")
+    nn.Module._load_from_state_dict(self, state, prefix, *args, **kw)
+LearnedPositions._load_from_state_dict = _learned_load                 # learned weights and rotary weights refuse each other
+POSITION_KINDS["rotary"] = RotaryPositions
+
+# %% ../nbs/01b_encoder.ipynb #48c42558
+_PIECE_KINDS = {}                                                      # vocab size -> [V] int8 (0 word start, 1 '##' piece, 2 special)
+
+def wordpiece_kinds(vocab_size: int # the encoder's vocabulary size (the bundled WordPiece has 30522)
+                   ) -> torch.Tensor:
+    "Per vocabulary id: 0 a word's first piece, 1 a '##' continuation, 2 a special '[...]' piece; from the bundled tokenizer."
+    if vocab_size not in _PIECE_KINDS:
+        try: vocab = importlib.import_module("captionbert.data").load_tokenizer().get_vocab()
+        except ImportError: return torch.zeros(vocab_size, dtype=torch.int8, device="cpu")   # an exported model: the saved buffer fills it
+        kinds = [0] * vocab_size
+        for piece, i in vocab.items():
+            if i < vocab_size: kinds[i] = 1 if piece.startswith("##") else 2 if piece.startswith("[") and piece.endswith("]") else 0
+        _PIECE_KINDS[vocab_size] = torch.tensor(kinds, dtype=torch.int8, device="cpu")
+    return _PIECE_KINDS[vocab_size].clone()
+
+def base8_address(pos: torch.Tensor # [L] token positions
+                 ) -> torch.Tensor:
+    "The three-digit base-eight address of each position (mod 512) as rotary features, [L, 24]: cos and sin of 2*pi*digit*m/8, m = 1..4."
+    digits = torch.stack([(pos // 64) % 8, (pos // 8) % 8, pos % 8], -1).float()            # [L, 3]
+    ang = digits.unsqueeze(-1) * (2 * math.pi / 8) * torch.arange(1, 5, device=pos.device)  # [L, 3, 4]
+    return torch.cat([ang.cos(), ang.sin()], -1).flatten(1)                                  # [L, 24]
+
+class HierarchicalRotary(RotaryPositions):
+    "Relative rotary plus a zero-born value path reading each token's three-digit base-eight address into the residual stream."
+    kind = "hierarchical"
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__(cfg)
+        self.value_path = nn.Parameter(self._born_value_path(cfg.hidden))   # [D, 24]: zero-born
+        self.check_born_equal()
+    def _born_value_path(self, hidden): return torch.zeros(hidden, 24)
+    def embed(self, x):                                                # x: [B, L, D]
+        x = super().embed(x)
+        return x + (base8_address(torch.arange(x.shape[1], device=x.device)).to(x.dtype) @ self.value_path.to(x.dtype).T)   # [L, D]
+    @torch.no_grad()
+    def check_born_equal(self):
+        "Raise unless the value path adds exactly nothing (a fresh hierarchical encoder is the relative one)."
+        if self.value_path.is_meta: return
+        x = torch.randn(2, 9, self.value_path.shape[0], generator=torch.Generator().manual_seed(0)).to(self.value_path)
+        if not torch.equal(self.embed(x), x):
+            raise RuntimeError(f"the hierarchical value path changes the embeddings at birth (max |value_path| = {self.value_path.abs().max().item():.3g}); "
+                               "it must be born zero, so that the option is born equal to the relative model")
+
+class _AddAux(torch.autograd.Function):
+    "Identity on x in the forward; in the backward, also the gradient of `aux` (times 1): x's consumers' loss + aux."
+    @staticmethod
+    def forward(ctx, x, aux): return x.view_as(x)
+    @staticmethod
+    def backward(ctx, g): return g, torch.ones((), dtype=torch.float32, device=g.device)
+
+class BindingRotary(RotaryPositions):
+    "Complete binding: whole-WordPiece key phases, the record-only norm and lookup supervision (a pointer loss) on one designated head."
+    kind = "binding"
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__(cfg)
+        if cfg.gradient_checkpointing: raise ValueError("binding positions count rotate() calls to find the designated layer: turn gradient_checkpointing off")
+        if not (0 <= cfg.lookup_layer < cfg.layers and 0 <= cfg.lookup_head < cfg.heads):
+            raise ValueError(f"the designated lookup head (layer {cfg.lookup_layer}, head {cfg.lookup_head}) is not in a {cfg.layers}-layer, {cfg.heads}-head encoder")
+        if not cfg.record_norm > 0: raise ValueError(f"record_norm must be positive, got {cfg.record_norm}")
+        self.layer, self.head, self.weight, self.norm = cfg.lookup_layer, cfg.lookup_head, cfg.pointer_weight, cfg.record_norm
+        self.register_buffer("piece_kind", wordpiece_kinds(cfg.vocab_size))   # saved: an export needs no tokenizer
+        self.record_pointer, self.pointer_loss, self.pointer_targets = False, None, None
+        self._qpos = self._kpos = self._tm = None; self._calls = 0
+    def prepare(self, input_ids, token_mask):                          # [B, L] each: called by the encoder before the blocks
+        B, L = input_ids.shape
+        kind = self.piece_kind.to(torch.long)[input_ids]               # [B, L]
+        start = (kind == 0) & token_mask                               # a word's first piece, real tokens only
+        ordinal = start.long().cumsum(1)                               # [B, L] the word each piece belongs to (1 = the first word)
+        pos = torch.arange(L, device=input_ids.device).expand(B, L)
+        word = (kind != 2) & token_mask & (ordinal > 0)
+        self._qpos, self._kpos, self._tm = pos, torch.where(word, ordinal, pos), token_mask   # keys of word pieces: their word's ordinal
+        self._calls, self.pointer_loss = 0, None
+        need = self.record_pointer or (self.training and torch.is_grad_enabled())
+        self.pointer_targets = pointer_targets(input_ids, kind, token_mask) if need else None
+    def rotate(self, q, k):                                            # q, k: [B, H, L, d]
+        if self._kpos is None: raise RuntimeError("binding positions need prepare(input_ids, token_mask) before the blocks: call the encoder")
+        layer, self._calls = self._calls, self._calls + 1
+        cos, sin = self.tables(q.device); L = q.shape[-2]
+        q = apply_rotary(q, cos[:L], sin[:L])                           # queries: their token position
+        k = apply_rotary(k, cos[self._kpos][:, None], sin[self._kpos][:, None])   # keys: [B, 1, L, d] phases by word ordinal
+        if layer != self.layer: return q, k
+        h = self.head
+        rec = F.normalize(k[:, h].float(), dim=-1).mul(self.norm).to(k.dtype)    # the record-only norm on the designated head's keys
+        k = torch.cat([k[:, :h], rec[:, None], k[:, h + 1:]], 1)
+        if self.pointer_targets is not None:
+            self.pointer_loss = pointer_loss(q[:, h], k[:, h], self.pointer_targets, self._tm)
+            if self.training and torch.is_grad_enabled() and self.weight and self.pointer_loss.requires_grad:
+                k = _AddAux.apply(k, self.weight * self.pointer_loss)  # lookup supervision: + weight * pointer loss in the backward
+        return q, k
+
+def pointer_targets(input_ids: torch.Tensor, # [B, L]
+                    kind: torch.Tensor, # [B, L] piece kinds (0 word start, 1 '##', 2 special)
+                    token_mask: torch.Tensor # [B, L] bool
+                   ) -> torch.Tensor:
+    "[B, L] for each word start whose whole word occurred earlier in its row: the first piece of the latest earlier occurrence; else -1."
+    out = torch.full(input_ids.shape, -1, dtype=torch.long)
+    ids, kd, tm = input_ids.tolist(), kind.tolist(), token_mask.tolist()
+    for b in range(len(ids)):
+        seen, p, L = {}, 0, len(ids[b])
+        while p < L:
+            if not tm[b][p] or kd[b][p] != 0: p += 1; continue
+            e = p + 1
+            while e < L and tm[b][e] and kd[b][e] == 1: e += 1
+            w = tuple(ids[b][p:e])
+            if w in seen: out[b, p] = seen[w]
+            seen[w] = p; p = e
+    return out.to(input_ids.device)
+
+def pointer_loss(q: torch.Tensor, k: torch.Tensor, # [B, L, d] the designated head's rotated queries and keys (records normed)
+                 targets: torch.Tensor, # [B, L] pointer targets (-1: none)
+                 token_mask: torch.Tensor # [B, L] bool: keys that can be attended
+                ) -> torch.Tensor:
+    "Mean -log p(target) of the head's attention over query positions with a target (0 when the batch has none)."
+    s = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])   # [B, L, L]
+    s = s.masked_fill(~token_mask[:, None, :], float("-inf"))
+    has = targets >= 0
+    if not has.any(): return (q.float().sum() + k.float().sum()) * 0.0  # 0, on the graph: adds nothing
+    logp = s.log_softmax(-1)[has]                                      # [T, L]
+    return -logp.gather(1, targets[has][:, None]).mean()
+
+POSITION_KINDS["hierarchical"] = HierarchicalRotary
+POSITION_KINDS["binding"] = BindingRotary

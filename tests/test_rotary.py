@@ -1,0 +1,81 @@
+"""CaptionBERT-8192-rotary beyond its notebook: the released default's count on the meta device, the relative property
+against a learned-position control, an export whose config names learned positions, and a serving verifier that
+fails a perturbed export (and passes the honest one)."""
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from captionbert.encoder import CaptionEncoder, EncoderConfig, n_params
+
+
+def test_released_default_count_on_meta():
+    with torch.device("meta"):
+        assert n_params(CaptionEncoder(EncoderConfig.v2(position="rotary", heads=16, rope_scale=4.0))) == 54_114_560
+
+
+def test_left_padding_is_a_shift_only_relative_rotary_ignores():
+    row = torch.tensor([[101, 2023, 2003, 1037, 3899, 102]]); left = torch.cat([torch.zeros(1, 7, dtype=torch.long), row], 1)
+    gaps = {}
+    for pos in ("rotary", "learned"):
+        torch.manual_seed(0); m = CaptionEncoder(EncoderConfig.tiny(position=pos)).eval()
+        with torch.no_grad(): gaps[pos] = (m(row).pooler_output - m(left, left.ne(0).long()).pooler_output).abs().max().item()
+    assert gaps["rotary"] < 1e-5 and gaps["learned"] > 1e-3, gaps
+
+
+def test_over_capacity_is_refused():
+    m = CaptionEncoder(EncoderConfig.tiny(position="rotary", max_positions=8192))
+    with pytest.raises(ValueError, match="8193 tokens but this rotary encoder's checked capacity is 8192"):
+        m(torch.ones(1, 8193, dtype=torch.long))
+
+
+@pytest.fixture(scope="module")
+def rotary_export():
+    from captionbert.data import load_tokenizer
+    from captionbert.hf import export_pretrained
+    torch.manual_seed(0)
+    model = CaptionEncoder(EncoderConfig.tiny(position="rotary", rope_scale=4.0, max_positions=8192)).eval()
+    return model, export_pretrained(model, load_tokenizer(), Path(tempfile.mkdtemp()) / "rotary")
+
+
+def test_verifier_passes_the_export_and_fails_a_perturbed_one(rotary_export):
+    from safetensors.torch import load_file, save_file
+    from captionbert.hf import SERVING_CASES, SERVING_REPORT, verify_serving
+    model, folder = rotary_export
+    cases = [c for c in SERVING_CASES if c[2] <= 64]                    # the short cases: the long ones run in 01c and 11
+    good = verify_serving(model, folder, cases=cases)
+    assert good.passed and all(c["max_diff"] == 0.0 for c in good.cases)
+    broken = Path(tempfile.mkdtemp()) / "perturbed"; shutil.copytree(folder, broken)
+    w = load_file(str(broken / "model.safetensors")); w["encoder.final_norm.weight"] += 0.1
+    save_file(w, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    bad = verify_serving(model, broken, cases=cases)
+    assert not bad.passed and all(c["token_max_diff"] > 1e-2 for c in bad.cases)
+    assert json.loads((broken / SERVING_REPORT).read_text())["passed"] is False
+
+
+def test_rotary_export_loaded_as_learned_is_refused(rotary_export):
+    from captionbert.hf import load_pretrained
+    model, folder = rotary_export
+    other = Path(tempfile.mkdtemp()) / "edited"; shutil.copytree(folder, other)
+    cfg = json.loads((other / "config.json").read_text()); cfg["encoder"]["position"] = "learned"
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="weights are of a rotary-position encoder, but this encoder's positions are learned"):
+        load_pretrained(other)
+    cfg["encoder"].update(position="rotary", rope_scale=1.0); (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"rotary \(base, scale\) = \(10000.0, 4.0\)"):
+        load_pretrained(other)
+
+
+def test_hierarchical_export_serves_like_native():
+    "The third model kind of the rotary card: its value path (given weights, so it matters) travels in the export."
+    from captionbert.data import load_tokenizer
+    from captionbert.hf import SERVING_CASES, export_pretrained, verify_serving
+    torch.manual_seed(0)
+    model = CaptionEncoder(EncoderConfig.tiny(position="hierarchical", rope_scale=4.0)).eval()
+    with torch.no_grad(): model.positions.value_path.normal_(0, 0.5)
+    rep = verify_serving(model, export_pretrained(model, load_tokenizer(), Path(tempfile.mkdtemp()) / "hier"),
+                         cases=[c for c in SERVING_CASES if c[2] <= 64])
+    assert rep.passed, rep
