@@ -28,7 +28,7 @@ from .teachers import roster as teacher_roster   # the name the functions below 
 # %% auto #0
 __all__ = ['consensus', 'write_targets', 'safetensors_memmap', 'TargetRows', 'ConsensusTargets', 'load_targets',
            'target_geometry', 'geometry_rows', 'ShiftReport', 'distribution_shift', 'repair_gate',
-           'embeddings_fingerprint', 'stage_version', 'consensus_key', 'build_consensus']
+           'embeddings_fingerprint', 'stage_version', 'consensus_key', 'check_store', 'build_consensus']
 
 # %% ../nbs/04_consensus.ipynb #f17d40cb
 def consensus(aligned: dict # teacher -> [N, D] vectors in the reference frame
@@ -277,12 +277,38 @@ def stage_version() -> str:
 def consensus_key(cfg: AlignmentConfig, # the preset
                   source, # its caption source (cfg.caption_source())
                   device: str, # device type the teacher embeddings come from ("cpu", "cuda", "mps")
-                  precision: str # their precision (fp32 / bf16 / fp16)
+                  precision: str, # their precision (fp32 / bf16 / fp16)
+                  store: EmbeddingStore | None = None # a merged store given to build_consensus (its content hash replaces the cache key)
                  ) -> dict:
     "Everything that changes build_consensus's targets — config, captions, the embedding store's cache key, stage code — known before embedding."
-    return {"config": to_jsonable(cfg), "source_fingerprint": source.fingerprint,
-            "embeddings": embed_cache_key(source, teacher_roster(cfg.roster), None, cfg.shard_size, device, precision),
-            "stage_version": stage_version()}
+    emb = (embed_cache_key(source, teacher_roster(cfg.roster), None, cfg.shard_size, device, precision) if store is None
+           else f"store:{embeddings_fingerprint(store)}")
+    return {"config": to_jsonable(cfg), "source_fingerprint": source.fingerprint, "embeddings": emb, "stage_version": stage_version()}
+
+def check_store(store: EmbeddingStore, # a merged store (e.g. written by `torchrun -m captionbert.teachers embed`)
+                source, # the caption source the targets are built for
+                specs # the roster the targets are built on (TeacherSpec)
+               ) -> EmbeddingStore:
+    "GuardError unless the store is merged and verified and holds these captions (fingerprint, row count) embedded by these teachers."
+    where = f"the embedding store {store.folder}"
+    if not store.complete:
+        raise GuardError(f"{where} is not merged and verified (manifest says complete={store.manifest.get('complete')}): "
+                         f"run `python -m captionbert.teachers merge --out {store.folder}` (or rerun the embed command; it resumes)")
+    m = store.manifest
+    if m["source_fingerprint"] != source.fingerprint:
+        raise GuardError(f"{where} was embedded from captions {m['source']!r} (fingerprint {m['source_fingerprint'][:12]}), but the targets "
+                         f"are asked for {getattr(source, 'name', source)!r} (fingerprint {source.fingerprint[:12]}): embed these captions "
+                         "(the plan's embed stage names the --source and --limit), or build for the captions the store holds")
+    want = [dataclasses.asdict(s) for s in specs]
+    if m["teachers"] != want:
+        raise GuardError(f"{where} holds the teachers {[t['name'] for t in m['teachers']]} but the targets are asked for "
+                         f"{[t['name'] for t in want]}" + ("" if [t['name'] for t in m['teachers']] != [t['name'] for t in want] else
+                         f" with other settings ({[t for t in m['teachers'] if t not in want][:2]} != {[t for t in want if t not in m['teachers']][:2]})")
+                         + ": embed with this roster (--roster), or build on the store's roster")
+    if store.n_rows != len(source):
+        raise GuardError(f"{where} holds {store.n_rows} rows but the captions {getattr(source, 'name', source)!r} have {len(source)}: "
+                         "the store was cut at another --limit; embed the same rows the targets are built for")
+    return store
 
 def _key_changes(old: dict | None, new: dict) -> list[str]:
     "What differs between a recorded consensus key and the current one, each change named."
@@ -297,12 +323,17 @@ def _key_changes(old: dict | None, new: dict) -> list[str]:
 
 def build_consensus(cfg: AlignmentConfig, # the preset (see AlignmentConfig)
                     folder: str | Path, # where the targets go
-                    device=None, progress: bool = True) -> ConsensusTargets:
-    "Captions -> teacher embeddings -> alignment maps -> consensus targets; reuses a folder only when its consensus_key matches."
+                    device=None, progress: bool = True,
+                    embeddings: str | Path | None = None, # the folder of a merged store (`torchrun -m captionbert.teachers embed`); None: embed here
+                    specs=None # with `embeddings`: the roster the store must hold (TeacherSpec); None: cfg.roster's
+                   ) -> ConsensusTargets:
+    "Captions -> teacher embeddings (here, or a merged store checked against these captions and roster) -> alignment maps -> consensus targets; reuses a folder only when its consensus_key matches."
     source = cfg.caption_source(verbose=progress)
     device = device if isinstance(device, torch.device) else pick_device(device)
     precision = pick_precision(device)                 # what embed_cached will use: the key names the numerics of the embeddings
-    key = consensus_key(cfg, source, device.type, precision)
+    given = None if embeddings is None else check_store(EmbeddingStore(embeddings), source,
+                                                        teacher_roster(cfg.roster) if specs is None else specs)
+    key = consensus_key(cfg, source, device.type, precision, store=given)
     with folder_lock(folder):              # concurrent builders of one folder take turns; the second finds the work done
         mpath, rebuilt_from = Path(folder) / "targets.json", None
         if mpath.exists():
@@ -313,8 +344,8 @@ def build_consensus(cfg: AlignmentConfig, # the preset (see AlignmentConfig)
             rebuilt_from = {"changes": changes, "frame": old.get("frame"), "fingerprint": _targets_fingerprint(old) if "shards" in old else None}
             mpath.unlink()                 # a half-rebuilt folder must never read as finished
         t0 = time.time()
-        store = embed_cached(source, teacher_roster(cfg.roster), batch_size=cfg.batch_size, shard_size=cfg.shard_size, device=device,
-                             precision=precision, progress=progress)
+        store = given or embed_cached(source, teacher_roster(cfg.roster), batch_size=cfg.batch_size, shard_size=cfg.shard_size,
+                                      device=device, precision=precision, progress=progress)
         return _build_consensus(cfg, folder, source, store, key, rebuilt_from, time.time() - t0, progress)
 
 def _build_consensus(cfg, folder, source, store, key, rebuilt_from, t_embed, progress):
