@@ -26,9 +26,10 @@ from .teachers import EmbeddingStore, TeacherGroup, embed_cache_key, embed_cache
 from .teachers import roster as teacher_roster   # the name the functions below use: a Run section's `roster` is a parameter
 
 # %% auto #0
-__all__ = ['consensus', 'write_targets', 'safetensors_memmap', 'TargetRows', 'ConsensusTargets', 'load_targets',
+__all__ = ['EXPECTED_ROWS', 'consensus', 'write_targets', 'safetensors_memmap', 'TargetRows', 'ConsensusTargets', 'load_targets',
            'target_geometry', 'geometry_rows', 'ShiftReport', 'distribution_shift', 'repair_gate',
-           'embeddings_fingerprint', 'stage_version', 'consensus_key', 'check_store', 'build_consensus']
+           'embeddings_fingerprint', 'stage_version', 'consensus_key', 'check_store', 'check_corpus_rows',
+           'build_consensus', 'main']
 
 # %% ../nbs/04_consensus.ipynb #f17d40cb
 def consensus(aligned: dict # teacher -> [N, D] vectors in the reference frame
@@ -321,6 +322,23 @@ def _key_changes(old: dict | None, new: dict) -> list[str]:
         elif a != b: out.append(f"{k} {str(a)[:16]} -> {str(b)[:16]}")
     return out
 
+EXPECTED_ROWS = {"hub:CaptionEmporium/conceptual-captions-cc12m-llavanext:caption_llava": 31_905_616}   # corpus spec -> the rows it is declared to hold
+# the published spec (AlignmentConfig.published) is declared at the v2-B corpus's 31,905,616 rows; that hub set is listed at
+# about 11M rows, so this check refuses it until someone with hub access names the 31.9M-row source (the program's corpus is
+# AbstractPhil/conceptual-captions-12m-webdataset-berts, seed 000; its caption column is not known here)
+
+def check_corpus_rows(cfg: AlignmentConfig, # the preset (its captions spec)
+                      n_rows: int # rows the captions' token store holds (one streamed pass: cheap beside the teachers)
+                     ) -> int:
+    "GuardError unless the captions hold the rows EXPECTED_ROWS declares for their spec; run before any teacher time is spent."
+    want = EXPECTED_ROWS.get(cfg.captions)
+    if want is not None and n_rows != want:
+        raise GuardError(f"the caption source {cfg.captions!r} holds {n_rows:,} rows but is declared to hold {want:,} "
+                         f"(consensus.EXPECTED_ROWS, preset {cfg.name!r}{f', limit {cfg.limit:,}' if cfg.limit else ''}); no teacher has "
+                         "run. Name the source that holds the declared rows (the published corpus: "
+                         "AbstractPhil/conceptual-captions-12m-webdataset-berts, seed 000), or correct the declaration")
+    return n_rows
+
 def build_consensus(cfg: AlignmentConfig, # the preset (see AlignmentConfig)
                     folder: str | Path, # where the targets go
                     device=None, progress: bool = True,
@@ -343,6 +361,8 @@ def build_consensus(cfg: AlignmentConfig, # the preset (see AlignmentConfig)
             print(f"rebuilding the consensus targets in {folder}: " + "; ".join(changes))
             rebuilt_from = {"changes": changes, "frame": old.get("frame"), "fingerprint": _targets_fingerprint(old) if "shards" in old else None}
             mpath.unlink()                 # a half-rebuilt folder must never read as finished
+        if given is None:          # the captions' row count, checked before the teachers run (tokenized once, cached)
+            check_corpus_rows(cfg, len(token_store(source, load_tokenizer(), progress=progress)))
         t0 = time.time()
         store = given or embed_cached(source, teacher_roster(cfg.roster), batch_size=cfg.batch_size, shard_size=cfg.shard_size,
                                       device=device, precision=precision, progress=progress)
@@ -375,3 +395,18 @@ def _build_consensus(cfg, folder, source, store, key, rebuilt_from, t_embed, pro
     tg.manifest.update(geometry=geo, timings_s={**tg.manifest["timings_s"], "write": round(t_write, 2)})
     atomic_write_json(Path(folder) / "targets.json", tg.manifest)
     return load_targets(folder)
+
+def main(argv=None):
+    "Command-line entry point: `tokens` tokenizes a preset's captions into the cached token store and checks their row count (the plan's first stage)."
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m captionbert.consensus", description="The consensus stage's command-line steps.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("tokens", help="tokenize the captions once (memory-mapped, cached) and check their rows against EXPECTED_ROWS")
+    t.add_argument("--preset", default="auto"); t.add_argument("--roster", default=None)
+    a = ap.parse_args(argv)
+    cfg = AlignmentConfig.preset(a.preset, roster=a.roster)
+    tokens = token_store(cfg.caption_source(verbose=False), load_tokenizer())
+    out = {"preset": cfg.name, "captions": cfg.captions, "rows": check_corpus_rows(cfg, len(tokens)), "token_store": str(tokens.folder)}
+    print(json.dumps(out)); return out
+
+if __name__ == "__main__" and "__file__" in globals(): main()

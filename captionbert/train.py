@@ -777,7 +777,8 @@ def plan_run(preset: str = "auto", # as for run_consensus_training
             "token_store_bytes_max": corpus_rows * (cfg.max_tokens * 2 + 8 + 2) + 8,     # uint16 ids at the ceiling, offsets, lengths
             "target_bytes": corpus_rows * (width * 4 + 8),                               # fp32 vectors and int64 row ids
             "gpu_memory_estimate": train_memory_estimate(enc, per_rank, cfg.max_tokens, precision),
-            "stages": [embed,                                      # the teacher pass: one process per GPU, a merged, verified store
+            "stages": [f"python -m captionbert.consensus tokens --preset {acfg.name}" + (f" --roster {cfg.roster}" if cfg.roster else ""),   # rows checked before any teacher runs
+                       embed,                                      # the teacher pass: one process per GPU, a merged, verified store
                        f"papermill nbs/04_consensus.ipynb out/04_consensus.ipynb -p preset {acfg.name}" + (f" -p roster {cfg.roster}" if cfg.roster else "")
                        + f" -p out_dir {targets_dir} -p embeddings {embed_dir}",
                        f"{launch} --preset {name} --seed {seed} --targets {targets_dir}" + (f" --roster {cfg.roster}" if cfg.roster else "")
