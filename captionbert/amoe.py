@@ -25,9 +25,10 @@ from .data import (Batch, FlickrImages, PairSet, RELATIONS, SceneGrammar, Scene,
 from .encoder import CaptionEncoder, EncoderConfig, n_params, set_residual_hook
 
 # %% auto #0
-__all__ = ['SYNONYMS', 'HUB_PAIRS', 'PAIR_SOURCES', 'sinh_route', 'Arm', 'backbone_fingerprint', 'ArmLibrary', 'check_backbone',
-           'AmoeModel', 'save_library', 'assert_toggle_exact', 'load_library', 'grammar_pairs', 'hub_pairs', 'PairPlan',
-           'PairLoss', 'train_arm', 'amplitude_shares', 'greedy_roster', 'ArmStudyConfig', 'study_pairs']
+__all__ = ['SYNONYMS', 'HUB_PAIRS', 'PAIR_SOURCES', 'BACKBONE_SEED', 'sinh_route', 'Arm', 'backbone_fingerprint', 'ArmLibrary',
+           'check_backbone', 'AmoeModel', 'save_library', 'assert_toggle_exact', 'load_library', 'grammar_pairs',
+           'hub_pairs', 'PairPlan', 'PairLoss', 'train_arm', 'amplitude_shares', 'greedy_roster', 'ArmStudyConfig',
+           'study_pairs', 'backbone_runs', 'backbone_expectation', 'check_backbone_run', 'resolve_backbones']
 
 # %% ../nbs/06_amoe.ipynb #f7419de5
 def sinh_route(h: torch.Tensor, # [..., D] hidden states
@@ -491,7 +492,8 @@ class ArmStudyConfig:
         arms = PAIR_SOURCES[self.pair_source]
         tc = self.train_config()
         own = backbones if section == "06_amoe" else [p for _, p, f in self.sibling_runs() if f is None]   # others: 07 trains them itself
-        stages = [f"papermill nbs/05_train.ipynb out/05_train-{p}-seed{seed}.ipynb -p seed {seed} -p preset {p}" for p in own]
+        b = BACKBONE_SEED                     # the trunks are seed-0 runs of 05_train whatever the study seed (backbone_runs)
+        stages = [f"papermill nbs/05_train.ipynb out/05_train-{p}-seed{b}.ipynb -p seed {b} -p preset {p} -p run_dir runs/05_train-{p}-seed{b}" for p in own]
         stages.append(f"papermill nbs/{section}.ipynb out/{section}-{self.name}-seed{seed}.ipynb -p seed {seed} -p preset {self.name}")
         plan = {"preset": self.name, "section": section, "rows": self.pairs, "steps": self.steps, "batch_size": self.batch_size,
                 "epochs": round(self.steps * self.batch_size / self.pairs, 4), "warmup_steps": tc.warmup_steps,
@@ -500,7 +502,8 @@ class ArmStudyConfig:
                 "key_params": len(arms) * e.hidden, "trunk_params": trunk,
                 "trunk_with_library_params": trunk + len(arms) * (arm.n_adapter_params + e.hidden),
                 "pairs_from": {t: HUB_PAIRS[t][0] for t in arms} if self.pair_source == "hub" else self.pair_source,
-                "taus": list(self.taus), "sweep_seeds": list(self.sweep_seeds), "backbones": backbones}
+                "taus": list(self.taus), "sweep_seeds": list(self.sweep_seeds), "backbones": backbones,
+                "backbone_runs": {p: f"runs/05_train-{p}-seed{b}" for p in own}}   # the 05 runs the Run section reads (and checks: resolve_backbones)
         if section == "07_transplant": plan.update(key_steps=self.key_steps, siblings=[list(s) for s in self.sibling_runs()])
         return plan
     def train_config(self, steps: Optional[int] = None): # None: the arms' steps
@@ -523,3 +526,68 @@ def study_pairs(cfg: ArmStudyConfig, seed: int = 0,
             table = table if table is not None else load_flickr_images()
             return {t: caption_pairs(t, cfg.pairs, seed=seed, table=table) for t in PAIR_SOURCES["flickr"]}, None
     return {t: grammar_pairs(t, cfg.pairs, seed=seed) for t in PAIR_SOURCES["grammar"]}, why
+
+# %% ../nbs/06_amoe.ipynb #2724447f
+BACKBONE_SEED = 0        # the seed of the 05_train runs an arm study sits on (the study's own seed varies the arms, not the trunk)
+
+def backbone_runs(cfg: ArmStudyConfig, # the study
+                  section: str = "06_amoe", # 06_amoe (one backbone) or 07_transplant (the two siblings)
+                  root: Optional[Path] = None # the runs folder; None: data.runs_dir()
+                 ) -> dict:
+    "The 05_train run directories the study's plan names for its backbones: name -> runs/05_train-<preset>-seed0 (06: the preset's name; 07: A, B)."
+    from captionbert.data import runs_dir
+    root = Path(root) if root is not None else runs_dir()
+    named = [(cfg.backbone_preset, cfg.backbone_preset)] if section == "06_amoe" else [(n, p) for n, p, _ in cfg.sibling_runs()]
+    return {n: root / f"05_train-{p}-seed{BACKBONE_SEED}" for n, p in named}
+
+def backbone_expectation(preset: str # a 05_train preset (v2, v2b, cpu, smoke)
+                        ) -> dict:
+    "What a 05_train run of `preset` must record to be the backbone a plan names: the recipe, the student's and the training config, and the id of the alignment its targets' maps were fit from."
+    from captionbert.core import to_jsonable
+    from captionbert.train import TrainConfig, plan_run, resolve_encoder_config
+    p, tc = plan_run(preset), TrainConfig.preset(preset)
+    return {"preset": TrainConfig.canonical(preset), "encoder": to_jsonable(resolve_encoder_config(tc, p["target_dim"])),
+            "train": to_jsonable(tc), "maps": p["maps"]["id"]}
+
+def check_backbone_run(run_dir: str | Path, # a 05_train run directory
+                       preset: str, # the 05_train preset the plan names for it
+                       stage: str = "" # the plan's command that makes it (named in the error)
+                      ) -> dict:
+    "The run's config.json, once its recipe, student, training config, alignment and frame are the ones the plan expects; else GuardError naming each difference (LAWS.md law 17)."
+    from captionbert.alignment import AlignmentConfig
+    from captionbert.core import sha256_bytes, to_jsonable
+    from captionbert.train import config_changes
+    d = Path(run_dir); todo = f"; make it with the plan's stage: {stage}" if stage else f"; train it with 05_train at preset {preset!r}"
+    if not (d / "config.json").exists() or not (d / "checkpoints" / "final.safetensors").exists():
+        raise GuardError(f"{d} holds no finished 05_train run (config.json and checkpoints/final.safetensors)" + todo)
+    got, want = json.loads((d / "config.json").read_text()), backbone_expectation(preset)
+    diffs = [f"preset {got.get('preset')!r} != {want['preset']!r}"] if got.get("preset") != want["preset"] else []
+    for k in ("encoder", "train"):
+        diffs += [f"{k}.{f}: {a!r} (run) != {b!r} (plan)" for f, (a, b) in config_changes(got.get(k) or {}, want[k]).items()]
+    tpath = Path(got.get("targets", "")) / "targets.json"
+    if not tpath.is_file(): diffs.append(f"its targets {tpath} are not here, so the frame it trained in cannot be checked")
+    else:
+        tj = json.loads(tpath.read_text())
+        maps = sha256_bytes(json.dumps(to_jsonable(AlignmentConfig(**tj["config"])), sort_keys=True).encode())[:16]
+        if maps != want["maps"]: diffs.append(f"its targets' maps were fit from alignment {maps} ({tj['config'].get('name')}), the plan's from {want['maps']}")
+        if tj.get("frame") != got.get("frame"): diffs.append(f"it declares frame {str(got.get('frame'))[:12]} but its targets live in {str(tj.get('frame'))[:12]}")
+    if diffs:
+        raise GuardError(f"{d} is not the backbone the plan expects for preset {preset!r}: " + "; ".join(diffs[:8]) + todo)
+    return got
+
+def resolve_backbones(cfg: ArmStudyConfig, # the study
+                      section: str = "06_amoe", # 06_amoe or 07_transplant
+                      run_dirs: Optional[dict] = None, # name -> a run directory, instead of the plan's (each is still checked)
+                      root: Optional[Path] = None # the runs folder of the plan's directories; None: data.runs_dir()
+                     ) -> dict:
+    "name -> (run directory, its config) of the study's backbones, each checked against the plan; siblings must share one frame."
+    presets = {cfg.backbone_preset: cfg.backbone_preset} if section == "06_amoe" else {n: p for n, p, _ in cfg.sibling_runs()}
+    dirs = {**backbone_runs(cfg, section, root), **{k: Path(v) for k, v in (run_dirs or {}).items()}}
+    stages = {n: f"papermill nbs/05_train.ipynb out/05_train-{p}-seed{BACKBONE_SEED}.ipynb -p seed {BACKBONE_SEED} -p preset {p} -p run_dir "
+                 f"{dirs[n]}" for n, p in presets.items()}
+    out = {n: (dirs[n], check_backbone_run(dirs[n], p, stages[n])) for n, p in presets.items()}
+    frames = {n: c["frame"] for n, (_, c) in out.items()}
+    if len(set(frames.values())) > 1:
+        raise GuardError(f"the siblings must share one target frame (one set of maps), got " +
+                         ", ".join(f"{n}: {f[:12]} ({out[n][0]})" for n, f in frames.items()) + ": train both on the plan's one targets folder")
+    return out

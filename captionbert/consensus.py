@@ -26,9 +26,10 @@ from .teachers import EmbeddingStore, TeacherGroup, embed_cache_key, embed_cache
 from .teachers import roster as teacher_roster   # the name the functions below use: a Run section's `roster` is a parameter
 
 # %% auto #0
-__all__ = ['consensus', 'write_targets', 'safetensors_memmap', 'TargetRows', 'ConsensusTargets', 'load_targets',
+__all__ = ['EXPECTED_ROWS', 'consensus', 'write_targets', 'safetensors_memmap', 'TargetRows', 'ConsensusTargets', 'load_targets',
            'target_geometry', 'geometry_rows', 'ShiftReport', 'distribution_shift', 'repair_gate',
-           'embeddings_fingerprint', 'stage_version', 'consensus_key', 'build_consensus']
+           'embeddings_fingerprint', 'stage_version', 'consensus_key', 'check_store', 'check_corpus_rows',
+           'build_consensus', 'main']
 
 # %% ../nbs/04_consensus.ipynb #f17d40cb
 def consensus(aligned: dict # teacher -> [N, D] vectors in the reference frame
@@ -277,12 +278,38 @@ def stage_version() -> str:
 def consensus_key(cfg: AlignmentConfig, # the preset
                   source, # its caption source (cfg.caption_source())
                   device: str, # device type the teacher embeddings come from ("cpu", "cuda", "mps")
-                  precision: str # their precision (fp32 / bf16 / fp16)
+                  precision: str, # their precision (fp32 / bf16 / fp16)
+                  store: EmbeddingStore | None = None # a merged store given to build_consensus (its content hash replaces the cache key)
                  ) -> dict:
     "Everything that changes build_consensus's targets — config, captions, the embedding store's cache key, stage code — known before embedding."
-    return {"config": to_jsonable(cfg), "source_fingerprint": source.fingerprint,
-            "embeddings": embed_cache_key(source, teacher_roster(cfg.roster), None, cfg.shard_size, device, precision),
-            "stage_version": stage_version()}
+    emb = (embed_cache_key(source, teacher_roster(cfg.roster), None, cfg.shard_size, device, precision) if store is None
+           else f"store:{embeddings_fingerprint(store)}")
+    return {"config": to_jsonable(cfg), "source_fingerprint": source.fingerprint, "embeddings": emb, "stage_version": stage_version()}
+
+def check_store(store: EmbeddingStore, # a merged store (e.g. written by `torchrun -m captionbert.teachers embed`)
+                source, # the caption source the targets are built for
+                specs # the roster the targets are built on (TeacherSpec)
+               ) -> EmbeddingStore:
+    "GuardError unless the store is merged and verified and holds these captions (fingerprint, row count) embedded by these teachers."
+    where = f"the embedding store {store.folder}"
+    if not store.complete:
+        raise GuardError(f"{where} is not merged and verified (manifest says complete={store.manifest.get('complete')}): "
+                         f"run `python -m captionbert.teachers merge --out {store.folder}` (or rerun the embed command; it resumes)")
+    m = store.manifest
+    if m["source_fingerprint"] != source.fingerprint:
+        raise GuardError(f"{where} was embedded from captions {m['source']!r} (fingerprint {m['source_fingerprint'][:12]}), but the targets "
+                         f"are asked for {getattr(source, 'name', source)!r} (fingerprint {source.fingerprint[:12]}): embed these captions "
+                         "(the plan's embed stage names the --source and --limit), or build for the captions the store holds")
+    want = [dataclasses.asdict(s) for s in specs]
+    if m["teachers"] != want:
+        raise GuardError(f"{where} holds the teachers {[t['name'] for t in m['teachers']]} but the targets are asked for "
+                         f"{[t['name'] for t in want]}" + ("" if [t['name'] for t in m['teachers']] != [t['name'] for t in want] else
+                         f" with other settings ({[t for t in m['teachers'] if t not in want][:2]} != {[t for t in want if t not in m['teachers']][:2]})")
+                         + ": embed with this roster (--roster), or build on the store's roster")
+    if store.n_rows != len(source):
+        raise GuardError(f"{where} holds {store.n_rows} rows but the captions {getattr(source, 'name', source)!r} have {len(source)}: "
+                         "the store was cut at another --limit; embed the same rows the targets are built for")
+    return store
 
 def _key_changes(old: dict | None, new: dict) -> list[str]:
     "What differs between a recorded consensus key and the current one, each change named."
@@ -295,14 +322,36 @@ def _key_changes(old: dict | None, new: dict) -> list[str]:
         elif a != b: out.append(f"{k} {str(a)[:16]} -> {str(b)[:16]}")
     return out
 
+EXPECTED_ROWS = {"hub:CaptionEmporium/conceptual-captions-cc12m-llavanext:caption_llava": 31_905_616}   # corpus spec -> the rows it is declared to hold
+# the published spec (AlignmentConfig.published) is declared at the v2-B corpus's 31,905,616 rows; that hub set is listed at
+# about 11M rows, so this check refuses it until someone with hub access names the 31.9M-row source (the program's corpus is
+# AbstractPhil/conceptual-captions-12m-webdataset-berts, seed 000; its caption column is not known here)
+
+def check_corpus_rows(cfg: AlignmentConfig, # the preset (its captions spec)
+                      n_rows: int # rows the captions' token store holds (one streamed pass: cheap beside the teachers)
+                     ) -> int:
+    "GuardError unless the captions hold the rows EXPECTED_ROWS declares for their spec; run before any teacher time is spent."
+    want = EXPECTED_ROWS.get(cfg.captions)
+    if want is not None and n_rows != want:
+        raise GuardError(f"the caption source {cfg.captions!r} holds {n_rows:,} rows but is declared to hold {want:,} "
+                         f"(consensus.EXPECTED_ROWS, preset {cfg.name!r}{f', limit {cfg.limit:,}' if cfg.limit else ''}); no teacher has "
+                         "run. Name the source that holds the declared rows (the published corpus: "
+                         "AbstractPhil/conceptual-captions-12m-webdataset-berts, seed 000), or correct the declaration")
+    return n_rows
+
 def build_consensus(cfg: AlignmentConfig, # the preset (see AlignmentConfig)
                     folder: str | Path, # where the targets go
-                    device=None, progress: bool = True) -> ConsensusTargets:
-    "Captions -> teacher embeddings -> alignment maps -> consensus targets; reuses a folder only when its consensus_key matches."
+                    device=None, progress: bool = True,
+                    embeddings: str | Path | None = None, # the folder of a merged store (`torchrun -m captionbert.teachers embed`); None: embed here
+                    specs=None # with `embeddings`: the roster the store must hold (TeacherSpec); None: cfg.roster's
+                   ) -> ConsensusTargets:
+    "Captions -> teacher embeddings (here, or a merged store checked against these captions and roster) -> alignment maps -> consensus targets; reuses a folder only when its consensus_key matches."
     source = cfg.caption_source(verbose=progress)
     device = device if isinstance(device, torch.device) else pick_device(device)
     precision = pick_precision(device)                 # what embed_cached will use: the key names the numerics of the embeddings
-    key = consensus_key(cfg, source, device.type, precision)
+    given = None if embeddings is None else check_store(EmbeddingStore(embeddings), source,
+                                                        teacher_roster(cfg.roster) if specs is None else specs)
+    key = consensus_key(cfg, source, device.type, precision, store=given)
     with folder_lock(folder):              # concurrent builders of one folder take turns; the second finds the work done
         mpath, rebuilt_from = Path(folder) / "targets.json", None
         if mpath.exists():
@@ -312,9 +361,11 @@ def build_consensus(cfg: AlignmentConfig, # the preset (see AlignmentConfig)
             print(f"rebuilding the consensus targets in {folder}: " + "; ".join(changes))
             rebuilt_from = {"changes": changes, "frame": old.get("frame"), "fingerprint": _targets_fingerprint(old) if "shards" in old else None}
             mpath.unlink()                 # a half-rebuilt folder must never read as finished
+        if given is None:          # the captions' row count, checked before the teachers run (tokenized once, cached)
+            check_corpus_rows(cfg, len(token_store(source, load_tokenizer(), progress=progress)))
         t0 = time.time()
-        store = embed_cached(source, teacher_roster(cfg.roster), batch_size=cfg.batch_size, shard_size=cfg.shard_size, device=device,
-                             precision=precision, progress=progress)
+        store = given or embed_cached(source, teacher_roster(cfg.roster), batch_size=cfg.batch_size, shard_size=cfg.shard_size,
+                                      device=device, precision=precision, progress=progress)
         return _build_consensus(cfg, folder, source, store, key, rebuilt_from, time.time() - t0, progress)
 
 def _build_consensus(cfg, folder, source, store, key, rebuilt_from, t_embed, progress):
@@ -344,3 +395,18 @@ def _build_consensus(cfg, folder, source, store, key, rebuilt_from, t_embed, pro
     tg.manifest.update(geometry=geo, timings_s={**tg.manifest["timings_s"], "write": round(t_write, 2)})
     atomic_write_json(Path(folder) / "targets.json", tg.manifest)
     return load_targets(folder)
+
+def main(argv=None):
+    "Command-line entry point: `tokens` tokenizes a preset's captions into the cached token store and checks their row count (the plan's first stage)."
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m captionbert.consensus", description="The consensus stage's command-line steps.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("tokens", help="tokenize the captions once (memory-mapped, cached) and check their rows against EXPECTED_ROWS")
+    t.add_argument("--preset", default="auto"); t.add_argument("--roster", default=None)
+    a = ap.parse_args(argv)
+    cfg = AlignmentConfig.preset(a.preset, roster=a.roster)
+    tokens = token_store(cfg.caption_source(verbose=False), load_tokenizer())
+    out = {"preset": cfg.name, "captions": cfg.captions, "rows": check_corpus_rows(cfg, len(tokens)), "token_store": str(tokens.folder)}
+    print(json.dumps(out)); return out
+
+if __name__ == "__main__" and "__file__" in globals(): main()

@@ -11,19 +11,18 @@ import argparse, json, os, subprocess, sys, threading, time
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
 import torch
 
-from .alignment import RowEmbeddings, fit_roster
-from .consensus import load_targets, write_targets
-from .core import GuardError, RunDir, set_seed
-from .data import SceneGrammar, TokenStore, bundled_minilm_path, load_tokenizer, stratified_sample
-from .encoder import CaptionEncoder, EncoderConfig
-from .teachers import EmbeddingStore, TeacherSpec, reference_member
-from .train import BatchPlan, ConsensusLoss, TrainConfig, train
+from .consensus import load_targets
+from .core import GuardError, atomic_write_json
+from .data import TokenStore, bundled_minilm_path, load_tokenizer
+from .encoder import EncoderConfig
+from .teachers import EmbeddingStore, TeacherSpec
+from .train import TrainConfig
 
 # %% auto #0
-__all__ = ['rss_anon_kb', 'descendants', 'PeakRss', 'save_rehearsal_teacher', 'check_rows', 'rehearse', 'main']
+__all__ = ['STAGES', 'rss_anon_kb', 'descendants', 'PeakRss', 'save_rehearsal_teacher', 'check_rows', 'run_stage', 'rehearse',
+           'main']
 
 # %% ../nbs/05b_rehearsal.ipynb #3bc94552
 def rss_anon_kb(pid: int # a process id
@@ -100,6 +99,41 @@ def check_rows(tokens: TokenStore, store: EmbeddingStore, targets) -> int:
 
 def _bytes(folder: Path) -> int: return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
 
+STAGES = ("tokens", "embed", "consensus", "train")    # each runs in a process of its own (see rehearse)
+
+def _spec(rows: int) -> str: return f"synthetic:{rows}"   # one caption spec for every stage: the embed command, 04 and 05 reopen the same rows
+
+def _configs(rows: int, fit_rows: int, shard_size: int, steps: int, batch_size: int):
+    "The AlignmentConfig (04) and TrainConfig (05) of a rehearsal at `rows`."
+    from captionbert.alignment import AlignmentConfig
+    acfg = AlignmentConfig(name="rehearsal", captions=_spec(rows), fit_n_over_d=min(fit_rows, rows // 2) / 768,
+                           eval_rows=min(2048, rows // 8), shard_size=shard_size, batch_size=256)
+    tcfg = TrainConfig(name="rehearsal", encoder="tiny", alignment="smoke", batch_size=batch_size, max_steps=steps,
+                       warmup_steps=max(1, steps // 10), eval_rows=min(512, rows // 8), eval_every=10**9, ckpt_every_steps=10**9,
+                       ckpt_every_minutes=10**9, log_every=50)
+    return acfg, tcfg
+
+def run_stage(stage: str, # one of STAGES
+              rows: int, out: str | Path, steps: int = 300, batch_size: int = 64, shard_size: int = 8192, processes: int = 2,
+              fit_rows: int = 24_576, seed: int = 0) -> dict:
+    "One stage of the rehearsal in this process, through the workbook's own entry points; returns what it reports."
+    out = Path(out); acfg, tcfg = _configs(rows, fit_rows, shard_size, steps, batch_size)
+    if stage == "tokens":                                    # the memory-mapped store 04 and 05 find in the cache
+        from captionbert.data import open_captions, token_store
+        store = token_store(open_captions(_spec(rows)), load_tokenizer(), progress=False)
+        return {"rows": len(store), "folder": str(store.folder)}
+    if stage == "consensus":                                 # 04's entry point, consuming the torchrun stage's merged store
+        from captionbert.consensus import build_consensus
+        specs = [TeacherSpec(**s) for s in json.loads((out / "specs.json").read_text())]
+        tg = build_consensus(acfg, out / "targets", device="cpu", progress=False, embeddings=out / "embeddings", specs=specs)
+        return {"rows": tg.n_rows, "frame": tg.frame, "timings_s": tg.manifest["timings_s"]}
+    if stage == "train":                                     # 05's entry point on those targets
+        from captionbert.train import run_consensus_training
+        job = run_consensus_training(seed, "smoke", out / "run", str(out / "targets"), device="cpu", resume=False, progress=False,
+                                     train_config=tcfg, encoder_config=EncoderConfig.tiny())
+        return {"completed": bool(job.result.completed), "end_step": job.result.end_step, "train_rows": int(len(job.train_rows))}
+    raise ValueError(f"unknown stage {stage!r}: one of {list(STAGES)} (embed is the torchrun command, run by rehearse)")
+
 def rehearse(rows: int, # synthetic captions
              out: str | Path, # working folder (each stage's output under it)
              steps: int = 300, # training steps
@@ -108,65 +142,55 @@ def rehearse(rows: int, # synthetic captions
              processes: int = 2, # embedding processes (torchrun, gloo)
              fit_rows: int = 24_576, # the alignment sample (capped at rows // 2)
              seed: int = 0) -> dict:
-    "The published pipeline at `rows` rows on CPU: seconds per stage and the peak RssAnon of any process (see PeakRss)."
-    out = Path(out); out.mkdir(parents=True, exist_ok=True)
-    seconds, t = {}, time.time()
-    def done(stage):
-        nonlocal t
-        seconds[stage] = round(time.time() - t, 2); t = time.time()
-    with PeakRss() as peak:
-        peak.enter("tokens")
-        source = SceneGrammar(n=rows, seed=seed)
-        tok_dir = out / "tokens"
-        tokens = TokenStore.open(tok_dir) if (tok_dir / "store.json").exists() else TokenStore.build(source, load_tokenizer(), tok_dir, progress=False)
-        done("tokens")
-        peak.enter("embed")
-        specs = save_rehearsal_teacher(out / "teacher")
-        (out / "specs.json").write_text(json.dumps([s.__dict__ for s in specs]))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}", "-m", "captionbert.teachers",
-               "embed", "--source", f"synthetic:{rows}", "--specs", str(out / "specs.json"), "--out", str(out / "embeddings"),
-               "--shard-size", str(shard_size), "--batch-size", "256", "--device", "cpu", "--no-progress"]
-        r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        if r.returncode != 0: raise RuntimeError(f"the embedding stage failed ({' '.join(cmd)}):\n{r.stderr[-3000:]}")
-        store = EmbeddingStore(out / "embeddings")
-        done("embed")
-        peak.enter("maps")
-        ref = reference_member(store.specs).name
-        sample = np.sort(stratified_sample(tokens.lengths, min(fit_rows, rows // 2), seed=seed))
-        maps = fit_roster({t_: RowEmbeddings.load(store, t_, rows=sample) for t_ in store.teachers}, ref, sample)
-        done("maps")
-        peak.enter("targets")
-        write_targets(store, maps, out / "targets", progress=False)
-        del maps
-        targets = load_targets(out / "targets")
-        done("targets")
-        peak.enter("train")
-        n = check_rows(tokens, store, targets)
-        set_seed(seed)
-        model = CaptionEncoder(EncoderConfig.tiny(out_dim=targets.targets.dim))
-        cfg = TrainConfig(name="rehearsal", encoder="tiny", batch_size=batch_size, max_steps=steps, warmup_steps=max(1, steps // 10),
-                          eval_every=10**9, ckpt_every_steps=10**9, ckpt_every_minutes=10**9, log_every=50)
-        res = train(model, BatchPlan(tokens, np.arange(n), batch_size, seed=seed), ConsensusLoss(targets.targets), cfg, RunDir(out / "run"),
-                    {"rows": n, "tokens": tokens.fingerprint, "frame": targets.frame}, resume=False, device="cpu", progress=False)
-        done("train")
+    "The published pipeline at `rows` rows on CPU, every stage its own process: seconds and peak RssAnon per stage (stages/<stage>.json)."
+    out = Path(out); (out / "stages").mkdir(parents=True, exist_ok=True)
+    specs = save_rehearsal_teacher(out / "teacher")
+    (out / "specs.json").write_text(json.dumps([s.__dict__ for s in specs]))
+    env = {**os.environ, "CAPTIONBERT_CACHE": str(out / "cache")}          # the token store is found by 04 and 05 here
+    args = ["--rows", str(rows), "--out", str(out), "--steps", str(steps), "--batch-size", str(batch_size), "--shard-size", str(shard_size),
+            "--processes", str(processes), "--fit-rows", str(fit_rows), "--seed", str(seed)]
+    commands = {s: [sys.executable, "-m", "captionbert.rehearsal", *args, "--stage", s] for s in STAGES}
+    commands["embed"] = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}", "-m",
+                         "captionbert.teachers", "embed", "--source", _spec(rows), "--specs", str(out / "specs.json"),
+                         "--out", str(out / "embeddings"), "--shard-size", str(shard_size), "--batch-size", "256", "--device", "cpu",
+                         "--no-progress"]
+    report = {}
+    for stage in STAGES:
+        t0 = time.time()
+        p = subprocess.Popen(commands[stage], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**env, "OMP_NUM_THREADS": "1"} if stage == "embed" else env)
+        with PeakRss(p.pid) as peak: stdout, stderr = p.communicate()
+        if p.returncode != 0: raise RuntimeError(f"the {stage} stage failed ({' '.join(commands[stage])}):\n{stderr[-3000:]}")
+        rec = {"stage": stage, "seconds": round(time.time() - t0, 2), "peak_rss_anon_mb": peak.peak_mb,
+               "processes_sampled": len(peak.by_pid), "command": commands[stage],
+               "result": json.loads(stdout.strip().splitlines()[-1]) if stdout.strip() else None}
+        atomic_write_json(out / "stages" / f"{stage}.json", rec); report[stage] = rec
+        if stage == "consensus":                             # the three counts agree before a step trains
+            check_rows(TokenStore.open(report["tokens"]["result"]["folder"]), EmbeddingStore(out / "embeddings"),
+                       load_targets(out / "targets", verify=False))
+    store = EmbeddingStore(out / "embeddings")
     ranks = store.manifest.get("ranks", {})
-    return {"rows": rows, "processes": processes, "steps": steps, "batch_size": batch_size, "seconds": seconds,
-            "seconds_total": round(sum(seconds.values()), 2), "peak_rss_anon_mb": peak.peak_mb,
-            "peak_rss_anon_mb_by_stage": {k: round(v / 1024, 1) for k, v in peak.by_stage.items() if k != "start"},
-            "processes_sampled": len(peak.by_pid),
+    return {"rows": rows, "processes": processes, "steps": steps, "batch_size": batch_size,
+            "seconds": {s: r["seconds"] for s, r in report.items()}, "seconds_total": round(sum(r["seconds"] for r in report.values()), 2),
+            "consensus_timings_s": report["consensus"]["result"]["timings_s"],
+            "peak_rss_anon_mb": max(r["peak_rss_anon_mb"] for r in report.values()),
+            "peak_rss_anon_mb_by_stage": {s: r["peak_rss_anon_mb"] for s, r in report.items()},
+            "processes_sampled": {s: r["processes_sampled"] for s, r in report.items()},
             "embed_rows_per_s": {k: v["rows_per_s"] for k, v in ranks.items() if k.endswith(f"-of-{processes}")},
-            "bytes": {"tokens": _bytes(tok_dir), "embeddings": _bytes(out / "embeddings"), "targets": _bytes(out / "targets")},
-            "completed": bool(getattr(res, "completed", False))}
+            "bytes": {"tokens": _bytes(report["tokens"]["result"]["folder"]), "embeddings": _bytes(out / "embeddings"), "targets": _bytes(out / "targets")},
+            "train_rows": report["train"]["result"]["train_rows"], "completed": report["train"]["result"]["completed"]}
 
 def main(argv: Sequence[str] | None = None):
-    "Command-line entry point: `python -m captionbert.rehearsal --rows N --out DIR` prints one JSON object."
+    "Command-line entry point: `python -m captionbert.rehearsal --rows N --out DIR` prints one JSON object (`--stage S`: one stage, in this process)."
     ap = argparse.ArgumentParser(prog="python -m captionbert.rehearsal", description="The published-size pipeline on CPU at N synthetic rows.")
     ap.add_argument("--rows", type=int, required=True); ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=300); ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--shard-size", type=int, default=8192); ap.add_argument("--processes", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fit-rows", type=int, default=24_576); ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stage", default=None, help=f"run one stage here ({', '.join(s for s in STAGES if s != 'embed')}); rehearse calls it")
     a = ap.parse_args(argv)
-    r = rehearse(a.rows, a.out, a.steps, a.batch_size, a.shard_size, a.processes, seed=a.seed)
+    kw = dict(steps=a.steps, batch_size=a.batch_size, shard_size=a.shard_size, processes=a.processes, fit_rows=a.fit_rows, seed=a.seed)
+    r = run_stage(a.stage, a.rows, a.out, **kw) if a.stage else rehearse(a.rows, a.out, **kw)
     print(json.dumps(r)); return r
 
 if __name__ == "__main__" and "__file__" in globals(): main()

@@ -20,14 +20,14 @@ from tqdm.auto import tqdm
 
 from .core import (GuardError, RunDir, atomic_path, atomic_write_bytes, autocast, emit_plan, pick_device, pick_precision,
                               set_seed, to_jsonable)
-from .data import Batch, LengthBucketSampler, TokenStore, collate, token_store
+from .data import Batch, LengthBucketSampler, TokenStore, collate, stratified_sample, token_store
 from .gauges import effective_rank, mimicry_r1, query_set_report, self_cosine
 
 # %% auto #0
 __all__ = ['TokenizedCorpus', 'RESUME_LOG', 'WHERE_KEYS', 'TrainConfig', 'lr_at', 'BatchPlan', 'save_weights',
            'latest_checkpoint', 'load_checkpoint', 'config_changes', 'config_defaults', 'check_resume_config',
            'TrainResult', 'train', 'ConsensusLoss', 'frame_gap', 'frame_gap_floor', 'mimicry_line', 'ConsensusGauges',
-           'resolve_targets', 'caption_source', 'training_range', 'assert_same_rows', 'texts_of',
+           'resolve_targets', 'caption_source', 'training_range', 'RunRows', 'run_rows', 'assert_same_rows', 'texts_of',
            'resolve_train_config', 'resolve_encoder_config', 'with_extra', 'ConsensusRun', 'run_consensus_training',
            'export_student', 'score_student', 'scoring_code', 'scoring_code_version', 'teacher_cache_key',
            'score_teachers', 'train_memory_estimate', 'plan_run', 'main']
@@ -478,6 +478,49 @@ def training_range(cfg: TrainConfig, # the preset (its train_rows)
                          "build targets on the whole published corpus (AlignmentConfig.published), or lower train_rows")
     return min(corpus_rows if cfg.train_rows is None else cfg.train_rows, int(round(data_fraction * corpus_rows)))
 
+@dataclasses.dataclass
+class RunRows:
+    "The rows a run trains on and the rows its gauges hold out, decided together by `run_rows`."
+    corpus_rows: int                 # rows the targets cover
+    end: int                         # the training range is the leading rows [0, end)
+    held_out: int                    # rows the gauges read, never trained on
+    held_out_past_end: bool          # True: drawn from rows [end, corpus_rows), which the run never trains on; False: from inside [0, end)
+    train: Optional[np.ndarray] = None   # training row ids, ascending (None when decided without lengths, as a plan is)
+    eval: Optional[np.ndarray] = None    # held-out row ids, ascending
+    @property
+    def n_train(self) -> int: return self.end if self.held_out_past_end else self.end - self.held_out
+    def describe(self) -> dict:
+        "The split in plan terms: the range, how many rows train, how many are held out and from where."
+        return {"train_range": [0, self.end], "train_rows": self.n_train, "held_out_rows": self.held_out,
+                "held_out_from": f"rows {self.end}..{self.corpus_rows - 1} (past the training range)" if self.held_out_past_end
+                                 else f"inside the training range [0, {self.end})"}
+    def __repr__(self):
+        return f"RunRows({self.n_train} of {self.corpus_rows} rows train, {self.held_out} held out {'past' if self.held_out_past_end else 'inside'} [0, {self.end}))"
+
+def run_rows(cfg: TrainConfig, # the preset (its train_rows and eval_rows)
+             corpus_rows: int, # rows of the corpus the targets cover
+             seed: int = 0, # the run's seed (the held-out sample's seed is seed + 101)
+             data_fraction: float = 1.0, # a further cut: the first fraction of the corpus
+             lengths=None # every row's token length (stratifies the held-out sample); None: decide the counts only (a plan)
+            ) -> RunRows:
+    "The one decision of a run's rows: the leading range (training_range) minus a stratified held-out sample, drawn past the range when the rows there hold it."
+    end = training_range(cfg, corpus_rows, data_fraction)
+    past = corpus_rows - end >= cfg.eval_rows          # v2: the 5.0M rows past its 26.9M hold the gauges' rows; v2b, cpu, smoke: none past
+    if not past and cfg.eval_rows >= end:
+        raise ValueError(f"preset {cfg.name} holds out {cfg.eval_rows} rows for the gauges but trains on only {end}: lower eval_rows")
+    rr = RunRows(corpus_rows, end, cfg.eval_rows, past)
+    if lengths is None: return rr
+    lengths = np.asarray(lengths)
+    if len(lengths) != corpus_rows: raise ValueError(f"{len(lengths)} lengths for a corpus of {corpus_rows} rows")
+    if past:
+        rr.eval = end + stratified_sample(lengths[end:], cfg.eval_rows, seed=seed + 101)
+        rr.train = np.arange(end, dtype=np.int64)
+    else:
+        rr.eval = stratified_sample(lengths[:end], cfg.eval_rows, seed=seed + 101)
+        rr.train = np.setdiff1d(np.arange(end, dtype=np.int64), rr.eval)
+    assert len(rr.train) == rr.n_train, (len(rr.train), rr.n_train)      # the count a plan states is the count a run draws from
+    return rr
+
 def assert_same_rows(tokens: TokenStore, # the run's token store
                      targets # its ConsensusTargets
                     ):
@@ -544,6 +587,7 @@ class ConsensusRun:
     preset: str; seed: int; cfg: TrainConfig; run: RunDir; model: torch.nn.Module; targets: object
     corpus: TokenStore; train_rows: np.ndarray; eval_rows: np.ndarray; result: TrainResult
     student: Optional[dict] = None       # the harness results of the exported student (or the record of a skipped scoring)
+    batches: Optional[BatchPlan] = None  # the batch of every step the run trained (batches.rows_at(step): its corpus row ids)
 
 def run_consensus_training(seed: int = 0, # the run's seed
                            preset: str = "auto", # auto, smoke, cpu, published, v2, v2b
@@ -575,9 +619,8 @@ def run_consensus_training(seed: int = 0, # the run's seed
     source = caption_source(tg)
     corpus = token_store(source, load_tokenizer(), cfg.max_tokens, progress=progress and rank == 0)   # memory-mapped, built once
     assert_same_rows(corpus, tg)
-    eval_rows = stratified_sample(corpus.lengths, cfg.eval_rows, seed=seed + 101)
-    train_rows = np.setdiff1d(tg.row_ids.numpy(), eval_rows)
-    train_rows = train_rows[train_rows < training_range(cfg, len(corpus), data_fraction)]
+    rows = run_rows(cfg, len(corpus), seed, data_fraction, lengths=corpus.lengths)   # the plan's rows (plan_run), here with their ids
+    train_rows, eval_rows = rows.train, rows.eval
     enc_cfg = resolve_encoder_config(cfg, tg.targets.dim, encoder_config)
     set_seed(seed); model = CaptionEncoder(enc_cfg)
     corpus_id = {"source_fingerprint": tg.source_fingerprint, "frame": tg.frame, "targets_fingerprint": tg.fingerprint, "train_rows": int(len(train_rows)), "data_fraction": data_fraction,
@@ -595,7 +638,7 @@ def run_consensus_training(seed: int = 0, # the run's seed
     result = train(model, plan, ConsensusLoss(tg.targets, cfg.temperature, cfg.mse_weight), cfg, run, corpus_id,
                    gauges if evaluate_extra is None else with_extra(gauges, evaluate_extra), resume=resume, device=dev,
                    progress=progress, config=config, allow_changes=allow_changes)
-    job = ConsensusRun(preset, seed, cfg, run, model, tg, corpus, train_rows, eval_rows, result)
+    job = ConsensusRun(preset, seed, cfg, run, model, tg, corpus, train_rows, eval_rows, result, batches=plan)
     if tasks and result.completed and rank == 0: job.student = score_student(job, tasks, sts_dir, device=dev)
     return job
 
@@ -714,7 +757,8 @@ def plan_run(preset: str = "auto", # as for run_consensus_training
     acfg = cfg.alignment_config()
     published = acfg.name == "published"
     corpus_rows = acfg.limit if (published and acfg.limit) else len(acfg.caption_source(verbose=False))   # a local file: no network
-    rows = training_range(cfg, corpus_rows, data_fraction)
+    split = run_rows(cfg, corpus_rows, seed, data_fraction)      # the run's own decision, counts only (no lengths without the corpus)
+    rows = split.n_train
     width = acfg.REFERENCE_WIDTH[acfg.roster]
     fit_rows = acfg.fit_rows_for(width)
     maps = {"alignment": acfg.label, "roster": acfg.roster, "captions": acfg.captions or "default_captions()", "corpus_rows": corpus_rows,
@@ -724,17 +768,25 @@ def plan_run(preset: str = "auto", # as for run_consensus_training
     precision = cfg.precision or ("bf16" if device == "cuda" else "fp32")
     enc = resolve_encoder_config(cfg, width, encoder_config)
     per_rank = cfg.batch_size // world_size
-    targets_dir = f"runs/consensus-{acfg.label}"
+    targets_dir, embed_dir = f"runs/consensus-{acfg.label}", f"runs/embeddings-{acfg.label}"
     launch = f"torchrun --nproc-per-node {world_size} -m captionbert.train" if world_size > 1 else "python -m captionbert.train"
-    return {"preset": name, "section": "05_train", "seed": seed, "rows": rows, "corpus_rows": corpus_rows, "held_out_rows": cfg.eval_rows,
+    if acfg.captions: spec = acfg.captions
+    else:                                                          # the default captions: the file found here, else the grammar
+        d = acfg.caption_source(verbose=False).describe(); spec = d.get("spec") or d["path"]
+    embed = (f"torchrun --nproc-per-node {world_size} -m captionbert.teachers embed" if world_size > 1 or published else "python -m captionbert.teachers embed"
+             ) + (f" --source {spec}" + (f" --limit {acfg.limit}" if acfg.limit else "") + f" --roster {acfg.roster} --out {embed_dir}"
+                  f" --shard-size {acfg.shard_size} --batch-size {acfg.batch_size}")
+    return {"preset": name, "section": "05_train", "seed": seed, "rows": rows, "corpus_rows": corpus_rows, **split.describe(),
             "steps": cfg.max_steps, "batch_size": cfg.batch_size, "epochs": round(cfg.max_steps * cfg.batch_size / rows, 3),
             "warmup_steps": cfg.warmup_steps, "precision": precision, "device": device, "world_size": world_size,
             "maps": maps, "target_dim": width,
             "token_store_bytes_max": corpus_rows * (cfg.max_tokens * 2 + 8 + 2) + 8,     # uint16 ids at the ceiling, offsets, lengths
             "target_bytes": corpus_rows * (width * 4 + 8),                               # fp32 vectors and int64 row ids
             "gpu_memory_estimate": train_memory_estimate(enc, per_rank, cfg.max_tokens, precision),
-            "stages": [f"papermill nbs/04_consensus.ipynb out/04_consensus.ipynb -p preset {acfg.name}" + (f" -p roster {cfg.roster}" if cfg.roster else "")
-                       + f" -p out_dir {targets_dir}",
+            "stages": [f"python -m captionbert.consensus tokens --preset {acfg.name}" + (f" --roster {cfg.roster}" if cfg.roster else ""),   # rows checked before any teacher runs
+                       embed,                                      # the teacher pass: one process per GPU, a merged, verified store
+                       f"papermill nbs/04_consensus.ipynb out/04_consensus.ipynb -p preset {acfg.name}" + (f" -p roster {cfg.roster}" if cfg.roster else "")
+                       + f" -p out_dir {targets_dir} -p embeddings {embed_dir}",
                        f"{launch} --preset {name} --seed {seed} --targets {targets_dir}" + (f" --roster {cfg.roster}" if cfg.roster else "")
                        + (f" --max-steps {max_steps}" if max_steps else ""),
                        f"python -m captionbert.benchmark --model runs/05_train-{cfg.label(name)}-seed{seed}/export"]}

@@ -88,3 +88,32 @@ def test_a_killed_embedding_resumes(tmp_path):
         fresh = g.encode(texts[lo:lo + shard], batch_size=16)
         for t, v in fresh.items():
             assert (store.load(t, rows=range(lo, lo + shard)) - v).abs().max() < 1e-5, (t, lo)
+
+
+def test_build_consensus_consumes_the_store_the_embed_command_writes(tmp_path, monkeypatch):
+    "04 reads the torchrun stage's merged store: no embedding of its own, the same targets as when it embeds by itself."
+    from captionbert import consensus as C
+    from captionbert.alignment import AlignmentConfig
+    monkeypatch.setenv("CAPTIONBERT_CACHE", str(tmp_path / "cache"))   # build_consensus's own embedding lands here, not in a shared cache
+    cap = tmp_path / "captions.txt"
+    cap.write_text("\n".join(SceneGrammar(n=300, seed=2)[i] for i in range(300)) + "\n")
+    cfg = AlignmentConfig(name="tiny", captions=str(cap), fit_n_over_d=0.5, eval_rows=48, shard_size=64, batch_size=32)
+    cmd = [sys.executable, "-m", "captionbert.teachers", "embed", "--source", str(cap), "--out", str(tmp_path / "emb"),
+           "--roster", "offline", "--shard-size", "64", "--batch-size", "32", "--device", "cpu", "--no-progress"]
+    out = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    torch.set_num_threads(1)                                 # the numerics of the command's process
+    embedded_here = []
+    real = C.embed_cached
+    monkeypatch.setattr(C, "embed_cached", lambda *a, **k: embedded_here.append(1) or real(*a, **k))
+    consumed = C.build_consensus(cfg, tmp_path / "from-store", device="cpu", progress=False, embeddings=tmp_path / "emb")
+    assert embedded_here == [], "build_consensus embedded although it was given a store"
+    itself = C.build_consensus(cfg, tmp_path / "itself", device="cpu", progress=False)
+    assert embedded_here == [1]
+    assert consumed.manifest["embeddings"] == str(tmp_path / "emb") and consumed.n_rows == itself.n_rows == 300
+    assert consumed.frame == itself.frame                    # the same maps fit on the same vectors
+    worst = (consumed.targets[range(300)] - itself.targets[range(300)]).abs().max().item()
+    assert worst <= 1e-6, f"targets from the command's store differ from build_consensus's own by {worst}"
+    other = AlignmentConfig(name="tiny", captions=str(cap), limit=200, fit_n_over_d=0.5, eval_rows=48, shard_size=64, batch_size=32)
+    with pytest.raises(GuardError, match="embedded from captions"):
+        C.build_consensus(other, tmp_path / "cut", device="cpu", progress=False, embeddings=tmp_path / "emb")

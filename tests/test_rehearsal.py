@@ -12,22 +12,30 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="
 
 
 def test_rehearsal_command_small(tmp_path):
+    "Each stage in its own process through the real entry points (torchrun embed, build_consensus, run_consensus_training), each with its own RssAnon record."
     out = tmp_path / "r"
-    r = subprocess.run([sys.executable, "-m", "captionbert.rehearsal", "--rows", "1000", "--out", str(out), "--steps", "12",
-                        "--batch-size", "32", "--shard-size", "256"], capture_output=True, text=True, timeout=900)
+    r = subprocess.run([sys.executable, "-m", "captionbert.rehearsal", "--rows", "640", "--out", str(out), "--steps", "4",
+                        "--batch-size", "32", "--shard-size", "160"], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    assert res["rows"] == 1000 and list(res["seconds"]) == ["tokens", "embed", "maps", "targets", "train"]
-    assert set(res["embed_rows_per_s"]) == {"rank-0-of-2", "rank-1-of-2"}               # two embedding processes did the work
+    assert res["rows"] == 640 and list(res["seconds"]) == ["tokens", "embed", "consensus", "train"]
+    stages = {s: json.loads((out / "stages" / f"{s}.json").read_text()) for s in res["seconds"]}
+    assert {s: v["peak_rss_anon_mb"] for s, v in stages.items()} == res["peak_rss_anon_mb_by_stage"]
+    assert all(v["peak_rss_anon_mb"] > 0 and v["processes_sampled"] >= 1 for v in stages.values()), stages
+    assert stages["embed"]["processes_sampled"] >= 3                                    # the launcher and both ranks
+    assert stages["consensus"]["command"][-2:] == ["--stage", "consensus"]             # a process of its own, not the launcher's
     emb = json.loads((out / "embeddings" / "manifest.json").read_text())
-    assert {k: v["rows_embedded"] for k, v in emb["ranks"].items()} == {"rank-0-of-2": 512, "rank-1-of-2": 488}
+    assert {k: v["rows_embedded"] for k, v in emb["ranks"].items()} == {"rank-0-of-2": 320, "rank-1-of-2": 320}
     tg = json.loads((out / "targets" / "targets.json").read_text())
-    assert tg["dim"] == 768 and sum(s["n"] for s in tg["shards"].values()) == 1000       # targets at the published width, every row
+    assert tg["dim"] == 768 and sum(s["n"] for s in tg["shards"].values()) == 640       # targets at the published width, every row
+    assert tg["embeddings"] == str(out / "embeddings")                                  # 04 consumed the torchrun stage's store ...
+    assert tg["key"]["embeddings"].startswith("store:")                                 # ... rather than embedding again
     with safe_open(str(out / "targets" / "targets" / "shard-00003.safetensors"), "pt") as f:
-        assert f.get_tensor("row_ids").tolist() == list(range(768, 1000))
+        assert f.get_tensor("row_ids").tolist() == list(range(480, 640))
+    run = json.loads((out / "run" / "config.json").read_text())
+    assert run["targets"] == str(out / "targets") and run["corpus"]["train_rows"] == res["train_rows"] == 640 - 80   # 05's run_rows
     steps = [json.loads(l) for l in (out / "run" / "metrics.jsonl").read_text().splitlines() if '"step"' in l]
-    assert res["completed"] and max(s["step"] for s in steps) == 12
-    assert res["processes_sampled"] >= 4                        # the launcher, 2 embedding ranks and this process were all sampled
+    assert res["completed"] and max(s["step"] for s in steps) == 4
     # a RAM budget that can be missed: the 50k and 200k rehearsals peaked at 1,288 MB; a loader that held every row's
     # tokens, vectors and targets at once, or a leak per stage, shows up above it long before published size
     assert 0 < res["peak_rss_anon_mb"] < 3000, res["peak_rss_anon_mb_by_stage"]

@@ -78,7 +78,7 @@ def test_rss_probe_sees_a_loader_that_holds_everything(tmp_path):
 
 
 def test_dry_run_plans_v2_and_v2b_on_the_command_line():
-    "No network, no GPU: one JSON line each; 4.0 epochs of 26,904,576 and 31,905,616 rows with the same maps."
+    "No network, no GPU: one JSON line each; v2 4.0 epochs of 26,904,576 rows, v2b 62,312 steps on 31,905,616 less the held-out rows, the same maps."
     env = {"CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
     plans = {}
     for p in ("v2", "v2b"):
@@ -87,7 +87,12 @@ def test_dry_run_plans_v2_and_v2b_on_the_command_line():
         assert len(out.strip().splitlines()) == 1, out
         plans[p] = json.loads(out)
     assert (plans["v2"]["steps"], plans["v2"]["rows"], plans["v2"]["epochs"]) == (52_548, 26_904_576, 4.0)
-    assert (plans["v2b"]["steps"], plans["v2b"]["rows"], plans["v2b"]["epochs"]) == (62_312, 31_905_616, 4.0)
+    # v2b trains on its whole range less the gauges' 8,192 rows: the published 62,312 steps are 4.001 epochs of them
+    assert (plans["v2b"]["steps"], plans["v2b"]["rows"], plans["v2b"]["epochs"]) == (62_312, 31_905_616 - 8192, 4.001)
+    assert plans["v2"]["train_range"] == [0, 26_904_576] and plans["v2b"]["train_range"] == [0, 31_905_616]
+    assert plans["v2"]["held_out_rows"] == plans["v2b"]["held_out_rows"] == 8192
+    assert all(p["stages"][0].startswith("python -m captionbert.consensus tokens --preset published") for p in plans.values())   # rows checked first
+    assert all(p["stages"][1].startswith("torchrun ") and " -m captionbert.teachers embed " in p["stages"][1] for p in plans.values())
     assert plans["v2"]["batch_size"] == plans["v2b"]["batch_size"] == 2048
     assert plans["v2"]["maps"] == plans["v2b"]["maps"]
 
@@ -109,3 +114,31 @@ def test_token_and_target_rows_that_differ_are_refused():
         assert_same_rows(store(10, fp="xyz"), targets)                     # same count, other captions
     with pytest.raises(GuardError, match="row ids 0..8"):
         assert_same_rows(store(10), types.SimpleNamespace(source_fingerprint="abc", n_rows=10, row_ids=np.arange(9), folder="targets"))
+
+
+def test_a_run_trains_on_exactly_the_rows_run_rows_decides(tmp_path, monkeypatch):
+    "The rows a smoke run drew its batches from (its BatchPlan, step by step) are run_rows's set: train_rows honoured, held-out rows never drawn."
+    from captionbert.alignment import AlignmentConfig
+    from captionbert.consensus import build_consensus
+    from captionbert.data import SceneGrammar
+    from captionbert.train import TrainConfig, run_consensus_training, run_rows
+    monkeypatch.setenv("CAPTIONBERT_CACHE", str(tmp_path / "cache"))
+    cap = tmp_path / "captions.txt"
+    cap.write_text("\n".join(SceneGrammar(n=400, seed=4)[i] for i in range(400)) + "\n")
+    tg = build_consensus(AlignmentConfig(name="tiny", captions=str(cap), fit_n_over_d=0.5, eval_rows=48, shard_size=128), tmp_path / "targets",
+                         device="cpu", progress=False)
+    cfg = TrainConfig.smoke(train_rows=300, eval_rows=64, batch_size=16, max_steps=40, eval_every=40, ckpt_every_steps=40)
+    job = run_consensus_training(seed=2, preset="smoke", run_dir=tmp_path / "run", targets=str(tg.folder), device="cpu", progress=False,
+                                 train_config=cfg)
+    assert job.result.completed
+    want = run_rows(cfg, 400, seed=2, lengths=job.corpus.lengths)
+    drawn = np.concatenate([job.batches.rows_at(s) for s in range(cfg.max_steps)])          # what training actually read
+    per_epoch = job.batches.batches_per_epoch
+    assert per_epoch == 300 // 16 and cfg.max_steps > per_epoch                               # the steps cover one whole epoch
+    one_epoch = np.concatenate([job.batches.rows_at(s) for s in range(per_epoch)])
+    assert set(drawn) <= set(want.train.tolist()) and drawn.max() < 300                      # never a row past train_rows
+    assert len(set(one_epoch)) == len(one_epoch) == per_epoch * 16                          # an epoch draws each row at most once ...
+    assert len(set(want.train.tolist()) - set(one_epoch.tolist())) < 16                     # ... and misses only the short batch dropped
+    assert not set(drawn) & set(job.eval_rows.tolist()) and set(job.eval_rows.tolist()) == set(want.eval.tolist())
+    assert job.eval_rows.min() >= 300                                                       # 100 rows past the range hold the 64
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["corpus"]["train_rows"] == want.n_train == 300
