@@ -20,13 +20,14 @@ from .amoe import sinh_route
 from .encoder import ATTENTION_KINDS, ROUTERS, CaptionEncoder, EncoderConfig, NoPositions, attention_kind
 
 # %% auto #0
-__all__ = ['BATTERY_TAU', 'BATTERY_SIZES', 'PUBLISHED', 'SPLAT_CURES', 'SPLAT_CELLS', 'SPLAT_TAU', 'battery_size', 'check_finite',
-           'split_budget', 'codebooks', 'address', 'write', 'read', 'top1', 'items', 'Verdict', 'run_probe',
-           'probe_product_code', 'product_code_rule', 'opinion_similarity', 'probe_differentiation',
+__all__ = ['BATTERY_TAU', 'BATTERY_SIZES', 'PUBLISHED', 'SPLAT_CURES', 'SPLAT_CELLS', 'SPLAT_TAU', 'SCREEN_ARMS', 'battery_size',
+           'check_finite', 'split_budget', 'codebooks', 'address', 'write', 'read', 'top1', 'items', 'Verdict',
+           'run_probe', 'probe_product_code', 'product_code_rule', 'opinion_similarity', 'probe_differentiation',
            'differentiation_rule', 'probe_blend_select', 'blend_rule', 'probe_partitions', 'storage_rule',
            'resolution_rule', 'probe_locality', 'locality_rule', 'probe_signed_softmax', 'signed_rule', 'splat_options',
            'SplatAttention', 'measure', 'scaling_benchmark', 'slope', 'block_readback', 'probe_trainability',
-           'trainability_rule']
+           'trainability_rule', 'ScreenConfig', 'basin_gauge', 'basin_extra', 'train_screen', 'screen_path',
+           'steps_to_reach', 'screen_table']
 
 # %% ../nbs/10_splat.ipynb #39c5ebcd
 BATTERY_TAU = 0.02         # the battery's routing temperature (declared before any probe ran; the encoder's router default is .10)
@@ -34,8 +35,8 @@ BATTERY_TAU = 0.02         # the battery's routing temperature (declared before 
 _BASE = dict(dim=64, budget=256, items=256, value_dim=64, noise=0.35)   # keys in 64-d, 256 anchors, 256 stored items, 64-d values
 
 BATTERY_SIZES = {          # the battery's dimensions at each run size (core.SIZES): smoke runs in seconds under the tests
-    "smoke": dict(_BASE, trials=1, steps=30, context=256, locality_heads=(1, 16, 256), lengths=(64, 128, 256)),
-    "cpu": dict(_BASE, trials=3, steps=300, context=2048, locality_heads=(1, 16, 128, 2048), lengths=(256, 512, 1024, 2048)),
+    "smoke": dict(_BASE, trials=1, steps=30, train_steps=10, context=256, locality_heads=(1, 16, 256), lengths=(64, 128, 256)),
+    "cpu": dict(_BASE, trials=3, steps=300, train_steps=150, context=2048, locality_heads=(1, 16, 128, 2048), lengths=(256, 512, 1024, 2048)),
 }
 BATTERY_SIZES["published"] = BATTERY_SIZES["cpu"]          # the battery is CPU mathematics: the published size is the cpu size
 
@@ -367,6 +368,7 @@ def splat_options(name: str # "splat", "splat:frozen", or "splat:" + cures joine
 
 class SplatAttention(nn.Module):
     "Softmax-free attention through shared cells: per head, tokens write values into A cells by a signed address and read them back by one."
+    is_splat = True                                                       # read by gauges (the notebook's class is not the module's)
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
         o = splat_options(cfg.attention)
@@ -471,35 +473,135 @@ def block_readback(attn: SplatAttention, # a splat block (its own addresses and 
 
 def probe_trainability(size: str = "smoke", seed: int = 0,
                        kinds: Sequence[str] = ("splat:frozen", "splat", "sdpa"), # the students (the first is the one judged)
-                       seq: int = 16, vocab: int = 256) -> dict:
-    "Static readback of each splat student at birth, and its held-out cosine to a random SDPA teacher before and after a short training."
-    s = battery_size(size); steps = s["steps"]
+                       seq: int = 8, vocab: int = 16) -> dict:
+    "Static readback of each splat student at birth, and its fit (cosine) to a random table of its first two tokens' pair, before and after training."
+    s = battery_size(size); steps = s["train_steps"]
     g = torch.Generator().manual_seed(seed)
-    ids = lambda n: torch.randint(1000, 1000 + vocab, (n, seq), generator=g)
-    torch.manual_seed(seed + 99); teacher = CaptionEncoder(EncoderConfig.tiny()).eval()
-    with torch.no_grad():
-        train_ids, test_ids = ids(512), ids(256)
-        t_all = teacher(torch.cat([train_ids, test_ids])).pooler_output
-        t_all = F.normalize(t_all - t_all[:512].mean(0), dim=-1)           # centred: the part of the target that depends on the tokens
-    t_train, t_test = t_all[:512], t_all[512:]
+    table = F.normalize(torch.randn(vocab, vocab, EncoderConfig.tiny().out_dim, generator=g), dim=-1)   # [V, V, O] a target per pair
+    test_ids = torch.randint(0, vocab, (256, seq), generator=g)
     out = {}
     for kind in kinds:
         torch.manual_seed(seed); st = CaptionEncoder(EncoderConfig.tiny(attention=kind))
-        static = block_readback(st.blocks[0].attn) if isinstance(st.blocks[0].attn, SplatAttention) else None
+        static = block_readback(st.blocks[0].attn) if getattr(st.blocks[0].attn, "is_splat", False) else None
         opt = torch.optim.Adam([p for p in st.parameters() if p.requires_grad], lr=3e-3)
-        def held_out():
-            st.eval()
-            with torch.no_grad(): c = float(F.cosine_similarity(st(test_ids).pooler_output, t_test, dim=-1).mean())
-            st.train(); return c
-        before = held_out()
+        fit = lambda ids: F.cosine_similarity(st(ids + 1000).pooler_output, table[ids[:, 0], ids[:, 1]], dim=-1).mean()
+        with torch.no_grad(): before = float(fit(test_ids))
+        gs = torch.Generator().manual_seed(seed + 1)                       # every student sees the same batches
         for step in range(steps):
-            b = torch.randint(0, 512, (64,), generator=g)
-            loss = 1 - F.cosine_similarity(st(train_ids[b]).pooler_output, t_train[b], dim=-1).mean()
+            loss = 1 - fit(torch.randint(0, vocab, (64, seq), generator=gs))
             opt.zero_grad(); loss.backward(); opt.step()
-        out[kind] = {"static_readback": static, "before": before, "after": held_out()}
+        with torch.no_grad(): out[kind] = {"static_readback": static, "before": before, "after": float(fit(test_ids))}
     return out
 
 def trainability_rule(r: dict, judged: str = "splat:frozen", against: str = "splat") -> bool:
     "The bar: the judged block passes the static readback (>= .5) yet gains at most half the held-out cosine the other gains."
     j, a = r[judged], r[against]
     return j["static_readback"] is not None and j["static_readback"] >= 0.5 and (j["after"] - j["before"]) <= 0.5 * (a["after"] - a["before"])
+
+# %% ../nbs/10_splat.ipynb #ce78de1b
+SCREEN_ARMS = {   # the paired screens: label -> EncoderConfig.attention (same seed, data, batches and steps for every arm)
+    "standard": "sdpa",              # the standard (SDPA) block: the reference the training gauge is matched against
+    "collapse": "splat:frozen",      # routing that owns no parameters
+    "rope": "splat:rope",            # each cure alone ...
+    "frame": "splat:frame",
+    "codebooks": "splat:codebooks",
+    "all three": "splat",            # ... and all three together
+}
+
+@dataclasses.dataclass(frozen=True)
+class ScreenConfig:
+    "The size of the paired screens: the 05_train recipe at that size, the encoder architecture, the arms and what is read."
+    name: str = "cpu"                 # the run size
+    train_preset: str = "cpu"         # the 05_train preset (its targets, corpus and gauges)
+    encoder: str = "cpu"              # the EncoderConfig architecture of every arm
+    recipe: tuple = (("max_steps", 300), ("warmup_steps", 30), ("eval_every", 25))   # TrainConfig overrides, (key, value) pairs
+    arms: tuple = tuple(SCREEN_ARMS)  # the arms screened
+    basin_rows: int = 128             # held-out rows the basin gauge reads at every evaluation
+    PRESETS = ("smoke", "cpu")
+    @classmethod
+    def preset(cls, name: str, **kw):
+        "A screen size: smoke (the tests) or cpu (keyword overrides allowed)."
+        if name not in cls.PRESETS: raise ValueError(f"unknown screen size {name!r}: one of {list(cls.PRESETS)}")
+        base = {"smoke": {"name": "smoke", "train_preset": "smoke", "encoder": "tiny", "recipe": (("eval_every", 10),), "basin_rows": 64}}
+        return cls(**{**base.get(name, {}), **kw})
+    def __post_init__(self):
+        bad = [a for a in self.arms if a not in SCREEN_ARMS]
+        if bad: raise ValueError(f"unknown screen arms {bad}: the arms are {list(SCREEN_ARMS)}")
+    def train_config(self, arm: str):
+        "The one TrainConfig every arm trains with (only the name differs)."
+        from captionbert.train import TrainConfig
+        return dataclasses.replace(TrainConfig.preset(self.train_preset, **dict(self.recipe)), name=f"splat-{arm.replace(' ', '-')}-{self.name}")
+    def encoder_config(self, arm: str) -> EncoderConfig:
+        "The arm's encoder: the architecture at this size with the arm's attention."
+        return EncoderConfig.preset(self.encoder, attention=SCREEN_ARMS[arm])
+
+@torch.no_grad()
+def basin_gauge(model: CaptionEncoder, # an encoder with splat blocks
+                ids: Sequence[Sequence[int]], # token ids of held-out rows
+                batch_size: int = 64) -> dict:
+    "How far token states have fallen into address basins: the mean peak share max|w|/sum|w| of the write addresses, and the mean cosine of a head's address input to its nearest anchor (real tokens, every splat block)."
+    from captionbert.data import collate, sorted_batches
+    parts = [b.attn for b in model.blocks if getattr(b.attn, "is_splat", False)]
+    if not parts: return {}
+    if not ids: raise ValueError("basin gauge: no rows to read; pass at least one held-out row")
+    seen, peak, near, n = {}, 0.0, 0.0, 0
+    hooks = [p.register_forward_hook(lambda mod, inp, out, i=i: seen.__setitem__(i, inp[0])) for i, p in enumerate(parts)]
+    was = model.training; model.eval(); dev = next(model.parameters()).device
+    try:
+        for rows in sorted_batches([len(x) for x in ids], batch_size):
+            b = collate([ids[r] for r in rows]).to(dev); model(b.input_ids, b.attention_mask)
+            real = b.attention_mask.bool()                                  # [B, L]
+            for i, p in enumerate(parts):
+                x = seen[i]; B, L, D = x.shape
+                _, wk = p.addresses(x)                                      # [B, H, L, A]
+                w = wk.abs().permute(0, 2, 1, 3)[real]                      # [T, H, A] real tokens
+                peak += float((w.amax(-1) / w.sum(-1).clamp_min(1e-12)).mean())
+                k = p.frame(x).view(B, L, 2, p.heads, p.head_dim)[:, :, 1] if p.frame is not None else x.view(B, L, p.heads, p.head_dim)
+                c = torch.einsum("blhd,had->blha", F.normalize(k, dim=-1), F.normalize(p.anchors, dim=-1))[real]   # [T, H, A]
+                near += float(c.abs().amax(-1).mean()); n += 1
+    finally:
+        for h in hooks: h.remove()
+        model.train(was)
+    return {"splat/peak_share": peak / n, "splat/anchor_cosine": near / n}
+
+def basin_extra(rows: int # the gauges' held-out rows the basin gauge reads (the first this many)
+               ) -> Callable:
+    "run_consensus_training's evaluate_extra: the basin gauge of a splat trunk (keys splat/...), nothing for a standard one."
+    return lambda model, gauges, step: basin_gauge(model, [gauges.corpus[int(r)] for r in gauges.rows[:rows]])
+
+def train_screen(cfg: ScreenConfig, arm: str, seed: int, run_dir, # where the run lives (resumable)
+                 targets: str = "auto", # as for run_consensus_training
+                 device=None, progress: bool = False):
+    "Train one arm of the screens on the one loop; returns the ConsensusRun (its config checked to be the arm's)."
+    from captionbert.train import run_consensus_training
+    if arm not in SCREEN_ARMS: raise ValueError(f"unknown screen arm {arm!r}: the arms are {list(SCREEN_ARMS)}")
+    enc = cfg.encoder_config(arm)
+    job = run_consensus_training(seed, cfg.train_preset, run_dir, targets, device=device, progress=progress,
+                                 train_config=cfg.train_config(arm), encoder_config=enc, evaluate_extra=basin_extra(cfg.basin_rows))
+    if job.model.config.attention != enc.attention:
+        raise RuntimeError(f"the loop trained attention {job.model.config.attention!r} instead of arm {arm!r}'s {enc.attention!r}")
+    return job
+
+def screen_path(rows: Sequence[dict]) -> list[dict]:
+    "The training gauge (target cosine) and the basin gauge at every evaluation of a run's metrics.jsonl rows."
+    return [{"step": r["step"], "target_cosine": r["gauge/target_cosine"], **{k[len("splat/"):]: v for k, v in r.items() if k.startswith("splat/")}}
+            for r in rows if "gauge/target_cosine" in r]
+
+def steps_to_reach(path: list[dict], value: float) -> Optional[int]:
+    "The first evaluated step whose training gauge reaches `value` (None if it never does)."
+    return next((p["step"] for p in path if p["target_cosine"] >= value), None)
+
+def screen_table(paths: dict # arm -> screen_path(...), with "standard" and "collapse" among them
+                ) -> list[dict]:
+    "Each arm at matched budget: final training gauge, its fraction of the standard block's, its multiple of the collapse's, the basin gauge."
+    for need in ("standard", "collapse"):
+        if need not in paths or not paths[need]: raise ValueError(f"screen table: no {need!r} run among {list(paths)}; the table is priced against it")
+    std, col = paths["standard"][-1]["target_cosine"], paths["collapse"][-1]["target_cosine"]
+    out = []
+    for arm, p in paths.items():
+        if not p: raise ValueError(f"screen table: arm {arm!r} has no evaluation; train it to at least one eval_every")
+        f = p[-1]
+        out.append({"arm": arm, "attention": SCREEN_ARMS[arm], "step": f["step"], "target_cosine": f["target_cosine"],
+                    "of_standard": f["target_cosine"] / std if std > 0 else None, "x_collapse": f["target_cosine"] / col if col > 0 else None,
+                    "peak_share": f.get("peak_share"), "anchor_cosine": f.get("anchor_cosine")})
+    return out
