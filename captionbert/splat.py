@@ -522,7 +522,8 @@ class ScreenConfig:
     def preset(cls, name: str, **kw):
         "A screen size: smoke (the tests) or cpu (keyword overrides allowed)."
         if name not in cls.PRESETS: raise ValueError(f"unknown screen size {name!r}: one of {list(cls.PRESETS)}")
-        base = {"smoke": {"name": "smoke", "train_preset": "smoke", "encoder": "tiny", "recipe": (("eval_every", 10),), "basin_rows": 64}}
+        base = {"smoke": {"name": "smoke", "train_preset": "smoke", "encoder": "tiny", "recipe": (("max_steps", 20), ("eval_every", 10)), "basin_rows": 64,
+                         "arms": ("standard", "collapse", "all three")}}   # smoke: the code path, three arms; cpu: every arm
         return cls(**{**base.get(name, {}), **kw})
     def __post_init__(self):
         bad = [a for a in self.arms if a not in SCREEN_ARMS]
