@@ -438,8 +438,15 @@ def scaling_benchmark(lengths: Sequence[int] = (256, 512, 1024, 2048, 4096, 8192
                       kinds: Sequence[str] = ("sdpa", "splat"), # attention kinds (EncoderConfig.attention)
                       arch: str = "cpu", # the EncoderConfig architecture whose attention is timed (cpu: hidden 256, 4 heads)
                       batch: int = 1, repeats: int = 2, seed: int = 0,
+                      threads: Optional[int] = 1, # torch intra-op threads while timing (None: leave as is)
                       progress: bool = True) -> list[dict]:
     "Forward time and peak memory of one attention module of each kind at each length, on CPU, without gradients."
+    was = torch.get_num_threads()
+    if threads: torch.set_num_threads(threads)
+    try: return _scaling(lengths, kinds, arch, batch, repeats, seed, progress)
+    finally: torch.set_num_threads(was)
+
+def _scaling(lengths, kinds, arch, batch, repeats, seed, progress):
     rows = []
     for L in lengths:
         if L < 1: raise ValueError(f"scaling benchmark: lengths must be positive, got {L}")
