@@ -14,7 +14,7 @@ from nbdev.test import test_nb as run_notebook
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted(p for p in (ROOT / "nbs").glob("*.ipynb") if not p.name.startswith("_"))
 # the section notebooks: each ends with a "## Run:" section whose first code cell is tagged `parameters`
-RUN_NOTEBOOKS = {"02_benchmark", "03_alignment", "03a_rosters", "08_alephlm", "04_consensus", "05_train", "06_amoe", "07_transplant", "11_rotary"}
+RUN_NOTEBOOKS = {"02_benchmark", "03_alignment", "03a_rosters", "08_alephlm", "04_consensus", "05_train", "06_amoe", "07_transplant", "10_splat", "11_rotary"}
 
 
 def _cells(nb: Path) -> list:
