@@ -80,16 +80,23 @@ def modeling_source(extra_modules: tuple = ()) -> str:
 def export_pretrained(model: CaptionEncoder, # the trained encoder
                       tokenizer, # its tokenizer (saved beside the weights)
                       folder, # output folder (created)
-                      extra_modules: tuple = () # modules defining registered parts the model uses (e.g. an anchored FFN)
+                      extra_modules: tuple = (), # modules defining registered parts the model uses (e.g. an anchored FFN)
+                      remote_code: bool = True # False: a native folder (no modeling file, no auto_map), loaded by `load_pretrained` only
                      ):
     "Write a Hugging Face folder (config.json with auto_map, modeling file, model.safetensors, tokenizer) for `model`."
     from safetensors.torch import save_file
+    from captionbert.encoder import attention_kind
+    kind = attention_kind(model.config.attention)
+    if remote_code and kind != "sdpa":   # the modeling file carries the SDPA block only: AutoModel would import captionbert for it
+        raise ValueError(f"attention {model.config.attention!r} cannot travel in the modeling file (it is built by captionbert.{kind}, "
+                         "which an AutoModel user does not have): pass remote_code=False for a native folder that "
+                         "captionbert.hf.load_pretrained (and the harness) loads")
     folder = Path(folder); folder.mkdir(parents=True, exist_ok=True)
-    code = modeling_source(extra_modules)                   # everything is computed before the first byte is written
+    code = modeling_source(extra_modules) if remote_code else None   # everything is computed before the first byte is written
     cfg = dataclasses.asdict(model.config)
     config = {"architectures": ["CaptionBertModel"], "model_type": "captionbert", "encoder": cfg,
-              "auto_map": {"AutoConfig": "modeling_captionbert.CaptionBertConfig", "AutoModel": "modeling_captionbert.CaptionBertModel"},
               "dtype": "float32", "hidden_size": cfg["hidden"], "num_hidden_layers": cfg["layers"], "num_attention_heads": cfg["heads"]}
+    if remote_code: config["auto_map"] = {"AutoConfig": "modeling_captionbert.CaptionBertConfig", "AutoModel": "modeling_captionbert.CaptionBertModel"}
     state = {f"encoder.{k}": v.detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict().items()}
     # each file goes in whole or not at all (temporary name, then rename); config.json, which makes the folder an
     # export, goes in last, so an interrupted export over an old one leaves the old config and no partial file
@@ -97,7 +104,7 @@ def export_pretrained(model: CaptionEncoder, # the trained encoder
         tokenizer.save_pretrained(stage)
         for p in sorted(Path(stage).iterdir()):
             if p.is_file(): os.replace(p, folder / p.name)
-    atomic_write_bytes(folder / "modeling_captionbert.py", code.encode())
+    if remote_code: atomic_write_bytes(folder / "modeling_captionbert.py", code.encode())
     with atomic_path(folder / "model.safetensors") as tmp: save_file(state, str(tmp), metadata={"format": "pt"})
     atomic_write_json(folder / "config.json", config)
     return folder

@@ -1,5 +1,6 @@
 """The splat block beyond its notebook: no [L, L] tensor is ever made (the linear-cost claim, checked on shapes, not
 timed), gradient checkpointing, a native export round trip, and the screens' recipe reaching the model."""
+import json
 import dataclasses
 import tempfile
 from pathlib import Path
@@ -51,12 +52,18 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 
 
 def test_native_export_round_trip():
-    "A splat encoder exported and loaded by the harness's native loader scores exactly as in memory (frozen anchors travel as a buffer)."
+    "A splat encoder is refused by the remote-code export (its block is not in the modeling file); exported as a native folder and loaded by the harness's loader it scores exactly as in memory (frozen anchors travel as a buffer)."
     from captionbert.data import load_tokenizer
     from captionbert.hf import export_pretrained, load_pretrained
     for kind in ("splat", "splat:frozen"):
         torch.manual_seed(0); m = CaptionEncoder(EncoderConfig.tiny(attention=kind)).eval()
-        folder = export_pretrained(m, load_tokenizer(), Path(tempfile.mkdtemp()) / "splat")
+        refused = Path(tempfile.mkdtemp()) / "refused"
+        with pytest.raises(ValueError, match="cannot travel in the modeling file .* pass remote_code=False"):
+            export_pretrained(m, load_tokenizer(), refused)
+        assert not refused.exists()                                   # refused before anything was written
+        folder = export_pretrained(m, load_tokenizer(), Path(tempfile.mkdtemp()) / "splat", remote_code=False)
+        config = json.loads((folder / "config.json").read_text())
+        assert "auto_map" not in config and not (folder / "modeling_captionbert.py").exists()
         back = load_pretrained(folder).eval()
         assert back.config.attention == kind
         ids = torch.randint(1000, 2000, (3, 7))
