@@ -18,7 +18,7 @@ from .core import GuardError, atomic_write_json
 from .data import TokenStore, bundled_minilm_path, load_tokenizer
 from .encoder import EncoderConfig
 from .teachers import EmbeddingStore, TeacherSpec
-from .train import TrainConfig
+from .train import TrainConfig, assert_same_rows
 
 # %% auto #0
 __all__ = ['STAGES', 'rss_anon_kb', 'descendants', 'PeakRss', 'save_rehearsal_teacher', 'check_rows', 'run_stage', 'rehearse',
@@ -90,11 +90,12 @@ def save_rehearsal_teacher(folder: str | Path, # where the model and tokenizer g
     return [TeacherSpec(f"tiny-L{l}", str(folder), "bert", layer=l, max_length=64, reference=(l == 2)) for l in (1, 2)]
 
 def check_rows(tokens: TokenStore, store: EmbeddingStore, targets) -> int:
-    "The corpus's row count, when the token store, the embeddings and the targets all hold it; else GuardError with each count."
+    "The corpus's row count, when the embeddings hold it and the token store and targets are the same rows (`train.assert_same_rows`); else GuardError."
     counts = {"tokens": len(tokens), "embeddings": store.n_rows, "targets": targets.n_rows}
     if len(set(counts.values())) != 1:
         raise GuardError(f"row counts differ: {counts}; the token store, the teacher embeddings and the targets must come from one "
                          "corpus: rebuild the stage whose count is wrong")
+    assert_same_rows(tokens, targets)     # the one token/target row guard of 05 (fingerprint and row ids), not a second copy
     return counts["tokens"]
 
 def _bytes(folder: Path) -> int: return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
