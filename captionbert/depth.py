@@ -497,8 +497,8 @@ class DepthConfig:
     @classmethod
     def cpu(cls, **kw): return cls(**kw)
     @classmethod
-    def smoke(cls, **kw): return cls(**{"name": "smoke", "backbone_preset": "smoke", "trained": 16, "length": 96, "depths": 8, "fit_items": 12,
-                                       "held_items": 8, "rank": 4, "steps": 4, "batch_size": 2, "eval_every": 2, "sentences": 32,
+    def smoke(cls, **kw): return cls(**{"name": "smoke", "backbone_preset": "smoke", "trained": 16, "length": 96, "depths": 8, "fit_items": 8,
+                                       "held_items": 6, "rank": 4, "steps": 4, "batch_size": 2, "eval_every": 2, "sentences": 32,
                                        "filler_tokens": 3000, "tasks": ("biosses",), **kw})
     @classmethod
     def published(cls, **kw):
