@@ -28,8 +28,8 @@ __all__ = ['BATTERY_TAU', 'BATTERY_TAUS', 'BATTERY_SIZES', 'PUBLISHED', 'PRODUCT
            'opinion_similarity', 'probe_differentiation', 'differentiation_rule', 'probe_blend_select', 'blend_rule',
            'probe_partitions', 'storage_rule', 'resolution_rule', 'probe_locality', 'locality_rule',
            'probe_signed_softmax', 'signed_rule', 'splat_options', 'SplatAttention', 'measure', 'scaling_benchmark',
-           'slope', 'block_readback', 'probe_trainability', 'trainability_rule', 'ScreenConfig', 'basin_gauge',
-           'basin_extra', 'screen_dir', 'train_screen', 'screen_path', 'steps_to_reach', 'screen_table']
+           'slope', 'block_readback', 'probe_trainability', 'trainability_rule', 'print_battery', 'ScreenConfig',
+           'basin_gauge', 'basin_extra', 'screen_dir', 'train_screen', 'screen_path', 'steps_to_reach', 'screen_table']
 
 # %% ../nbs/10_splat.ipynb #39c5ebcd
 BATTERY_TAU = 0.02         # the temperature every verdict uses: declared in this notebook's first version (the article states none for its battery)
@@ -599,6 +599,47 @@ def trainability_rule(r: dict, judged: str = "splat:frozen", against: str = "spl
     "The bar: the judged block passes the static readback (>= .5) yet gains at most half the held-out cosine the other gains."
     j, a = r[judged], r[against]
     return j["static_readback"] is not None and j["static_readback"] >= 0.5 and (j["after"] - j["before"]) <= 0.5 * (a["after"] - a["before"])
+
+# %% ../nbs/10_splat.ipynb #256c7780
+def _brief(v: Verdict) -> str:
+    "One line of a verdict's numbers."
+    n = v.numbers
+    if v.probe == "product code":
+        x = n["readback"]; return " -> ".join(f"{x[m]:.3f}" for m in sorted(x)) + f" (1 -> {max(x)} codebooks; floor {n['floor']:.3f})"
+    if v.probe == "differentiation": return f"opinion similarity {n[min(n)]:.3f} -> {n[max(n)]:.3f} (alone: {v.control[max(v.control)]:.3f})"
+    if v.probe == "blend vs select":
+        x = n["readback"]; return (f"blend {x['blend']:.3f} vs select {x['select']:.3f} ({x['blend'] - x['select']:+.3f}); shuffled {x['shuffled']:.3f}, "
+                                   f"sum {x['sum']:.3f}; amplitude spread {n['amplitude_spread']:.3f}; floor {n['floor']:.3f}")
+    if v.probe == "storage": return "storage " + ", ".join(f"{k[0]}/{k[1]}: {x['storage']}" for k, x in n.items())
+    if v.probe == "addressing": return "unique codes " + ", ".join(f"{k[0]}/{k[1]}: {x['resolution']:.3f}" for k, x in n.items())
+    if v.probe == "locality":
+        h, c = n["heads"], n["cost"]
+        return (", ".join(f"{H} heads {x['top1']:.4f}/{x['fidelity']:.4f}{' (judged)' if H == n['judged'] else ''}" for H, x in h.items()) +
+                f" (top-1/fidelity); slopes time {n['time_slope']:.2f}, memory {n['memory_slope']:.2f} (peak live bytes "
+                + ", ".join(f"L={L}: {x['peak_bytes']} measured vs {x['cells_bytes']} cells" for L, x in c.items())
+                + f"); control: {v.control['heads'][n['judged']]['top1']:.4f}, time slope {v.control['time_slope']:.2f}")
+    if v.probe == "signed vs softmax": return ", ".join(f"{k} {x:.3f}" for k, x in n["readback"].items()) + f"; floor {n['floor']:.3f}"
+    return ", ".join(f"{k}: static {x['static_readback'] if x['static_readback'] is None else round(x['static_readback'], 3)}, "
+                     f"cos {x['before']:.3f} -> {x['after']:.3f}" for k, x in n.items())
+
+def print_battery(size: str = "cpu", seed: int = 0,
+                  battery: Optional[dict] = None # {name: Verdict} already measured (None: run every probe)
+                 ) -> dict:
+    "Run (or take) the battery, print each verdict beside its control and the article's figure, then the tau sweep; returns the verdicts."
+    t0 = time.time()
+    battery = battery or {name: run_probe(name, size, seed) for name in PUBLISHED}
+    print(f"every verdict at tau {BATTERY_TAU} (declared in the first version; the article states none), the trainability screen at the block's {SPLAT_TAU}")
+    print(f"{'probe':>18} {'verdict':>7} {'control':>8}  measured  |  published")
+    for name, v in battery.items():
+        print(f"{name:>18} {'PASS' if v.passed else 'FAIL':>7} {'fails' if not v.control_passed else 'PASSES':>8}  {_brief(v)}  |  published: {v.published}")
+    bad = [n for n, v in battery.items() if v.control_passed]
+    print(f"({time.time() - t0:.0f}s) " + ("every control fails its probe's bar" if not bad else f"controls that pass their probe's bar (that verdict is not citable, LAWS.md law 5): {bad}"))
+    print("\nthe tau sweep of the temperature-bound verdicts (verdict | control):")
+    for name in TAU_BOUND:
+        for t, s in tau_sweep(name, size, seed).items():
+            print(f"{name:>18} tau {t:.2f}: {'PASS' if s.passed else 'FAIL':>4} | {'fails' if not s.control_passed else 'PASSES':>6}  {_brief(s)}"
+                  + ("   <- the verdict cited" if t == BATTERY_TAU else ""))
+    return battery
 
 # %% ../nbs/10_splat.ipynb #ce78de1b
 SCREEN_ARMS = {   # the paired screens: label -> EncoderConfig.attention (same seed, data, batches and steps for every arm)
