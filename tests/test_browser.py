@@ -111,7 +111,10 @@ def test_inspector_in_a_real_browser(tmp_path):
                                    "window.jupyterapp.shell.currentWidget.sessionContext.session && "
                                    "window.jupyterapp.shell.currentWidget.sessionContext.session.kernel")
             page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
-            page.wait_for_function(f"() => {{ const h = ({HEATMAP_JS})(); return h && h.y.length === {len(first)}; }}")
+            try: page.wait_for_function(f"() => {{ const h = ({HEATMAP_JS})(); return h && h.y.length === {len(first)}; }}")
+            except sync_api.TimeoutError:
+                page.screenshot(path=str(tmp_path / "timeout.png"), full_page=True)
+                raise AssertionError(f"no heatmap with {len(first)} rows in the page; it holds {page.evaluate(HEATMAP_JS)} (screenshot {tmp_path / 'timeout.png'})")
             h = page.evaluate(HEATMAP_JS)
             assert h["x"] == ARMS, h["x"]
             assert h["y"] == first, f"the heatmap's rows are not the sentence's tokens: {h['y']} != {first}"
@@ -121,7 +124,7 @@ def test_inspector_in_a_real_browser(tmp_path):
             assert page.locator(".widget-html").filter(has_text="negative-weight fraction").count() == 1   # the negative-weight line is shown
 
             page.locator(".widget-text input").first.fill(SECOND)      # typing a sentence: the widget syncs and the view redraws
-            page.wait_for_function(f"() => {{ const h = ({HEATMAP_JS})(); return h && JSON.stringify(h.y) === {json.dumps(json.dumps(second))}; }}")
+            page.wait_for_function(f"() => {{ const h = ({HEATMAP_JS})(); return h && JSON.stringify(h.y) === {json.dumps(json.dumps(second, separators=(",", ":")))}; }}")
             h2 = page.evaluate(HEATMAP_JS)
             assert len(h2["z"]) == len(second) != len(first) and sorted(h2["ticks"]) == sorted(second), h2["ticks"]
 
