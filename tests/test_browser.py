@@ -124,7 +124,7 @@ def test_inspector_in_a_real_browser(tmp_path):
             assert page.locator(".widget-html").filter(has_text="negative-weight fraction").count() == 1   # the negative-weight line is shown
 
             page.locator(".widget-text input").first.fill(SECOND)      # typing a sentence: the widget syncs and the view redraws
-            page.wait_for_function(f"() => {{ const h = ({HEATMAP_JS})(); return h && JSON.stringify(h.y) === {json.dumps(json.dumps(second, separators=(",", ":")))}; }}")
+            page.wait_for_function(f"() => {{ const h = ({HEATMAP_JS})(); return h && JSON.stringify(h.y) === {json.dumps(json.dumps(second, separators=(',', ':')))}; }}")
             h2 = page.evaluate(HEATMAP_JS)
             assert len(h2["z"]) == len(second) != len(first) and sorted(h2["ticks"]) == sorted(second), h2["ticks"]
 
