@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .benchmark import DEV_TASKS, FAST_TASKS, TASK_NAMES
+from .core import Presets, member_of
 from .encoder import CaptionEncoder, EncoderConfig, n_params
 from .gauges import effective_rank
 
@@ -33,12 +34,10 @@ ALEPH_PRESETS = tuple(f"aleph-{a}" for a in ARMS)   # the named presets: an arm,
 def arm_of(name: str # an arm ("a1") or its preset name ("aleph-a1")
           ) -> str:
     "The arm a name means; an unknown one is an error listing the arms."
-    arm = name[len("aleph-"):] if name.startswith("aleph-") else name
-    if arm not in ARMS: raise ValueError(f"unknown AlephLM arm {name!r}: one of {list(ARMS)} (presets {list(ALEPH_PRESETS)})")
-    return arm
+    return member_of(name, ARMS, "aleph-", "AlephLM arm")
 
 @dataclasses.dataclass(frozen=True)
-class AlephConfig:
+class AlephConfig(Presets):
     "The sizes of an AlephLM-0 study at one run size: the recipe every arm trains on, and what is measured."
     name: str = "cpu"                         # the run size (core.SIZES)
     train_preset: str = "cpu"                 # the 05_train preset the recipe starts from (its targets, corpus and gauges)
@@ -52,7 +51,7 @@ class AlephConfig:
     dev_task: str = DEV_TASKS[0]              # the dev set (selection only)
     vitals_rows: int = 256                    # held-out rows the routing vitals read at every evaluation
     gallery: int = 1024                       # the fixed gallery of every mimicry R@1 quoted (a key of the gauges' sweep)
-    PRESETS = ("smoke", "cpu", "published")
+    PRESETS, SIZE_OF = ("smoke", "cpu", "published"), "AlephLM size"   # core.Presets: preset(name) builds each by its classmethod
     @classmethod
     def published(cls, **kw):
         return cls(**{"name": "published", "train_preset": "v2b", "encoder": "v2", "gradient_checkpointing": True, "seeds": (0, 1),
@@ -64,11 +63,6 @@ class AlephConfig:
     def smoke(cls, **kw):
         return cls(**{"name": "smoke", "train_preset": "smoke", "encoder": "tiny", "seeds": (0,), "tasks": FAST_TASKS,
                       "recipe": (("eval_every", 10),), "vitals_rows": 64, "gallery": 128, **kw})
-    @classmethod
-    def preset(cls, name: str, **kw):
-        "A study size: smoke, cpu or published (keyword overrides allowed)."
-        if name not in cls.PRESETS: raise ValueError(f"unknown AlephLM size {name!r}: one of {list(cls.PRESETS)}")
-        return getattr(cls, name)(**kw)
     def __post_init__(self):
         for a in self.arms: arm_of(a)
         if self.dev_task in self.tasks: raise ValueError(f"the dev set {self.dev_task!r} cannot also be a reported test set ({self.tasks})")

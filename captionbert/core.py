@@ -15,7 +15,7 @@ import torch
 # %% auto #0
 __all__ = ['PRECISIONS', 'SIZES', 'PLAN_KEYS', 'GuardError', 'set_seed', 'pick_device', 'pick_precision', 'autocast',
            'sha256_file', 'sha256_bytes', 'atomic_path', 'atomic_write_bytes', 'to_jsonable', 'atomic_write_json',
-           'folder_lock', 'code_version', 'stage_hash', 'resolve_preset', 'emit_plan', 'RunDir']
+           'folder_lock', 'code_version', 'stage_hash', 'resolve_preset', 'Presets', 'member_of', 'emit_plan', 'RunDir']
 
 # %% ../nbs/00_core.ipynb #03855c84
 class GuardError(RuntimeError):
@@ -189,6 +189,35 @@ def resolve_preset(preset: str = "auto", # "auto", or a preset name of the secti
     if preset not in available:
         raise ValueError(f"unknown preset {preset!r} for {section}; the presets are {list(available)} (or 'auto')")
     return preset
+
+# %% ../nbs/00_core.ipynb #c1ace79a
+class Presets:
+    "Mixin of a study config: `preset(name, **kw)` builds the named size by the classmethod of that name."
+    PRESETS = SIZES          # the sizes this config has, each a classmethod of the same name
+    SIZE_OF = "size"         # what a preset name is called in errors ("rotary size")
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        import inspect
+        missing = [n for n in cls.PRESETS if not isinstance(inspect.getattr_static(cls, n, None), classmethod)]
+        if missing: raise TypeError(f"{cls.__name__}.PRESETS names {missing}, but {cls.__name__} has no classmethod of that name: "
+                                    f"define `@classmethod def {missing[0]}(cls, **kw)` or drop the name from PRESETS")
+    @classmethod
+    def preset(cls, name: str, # one of PRESETS
+               **kw # field overrides
+              ):
+        "The config of a named size (keyword overrides allowed); an unknown name is an error listing the sizes."
+        if name not in cls.PRESETS: raise ValueError(f"unknown {cls.SIZE_OF} {name!r}: one of {list(cls.PRESETS)}")
+        return getattr(cls, name)(**kw)
+
+def member_of(name: str, # a member ("a1") or its preset name, the prefix then the member ("aleph-a1")
+              members, # the registry: a dict or a sequence of member names
+              prefix: str, # the preset names' prefix ("aleph-")
+              what: str # what a member is called in errors ("AlephLM arm")
+             ) -> str:
+    "The registry member a name means, with or without the study's prefix; an unknown one is an error listing the members."
+    m = name[len(prefix):] if name.startswith(prefix) else name
+    if m not in members: raise ValueError(f"unknown {what} {name!r}: one of {list(members)} (each also as {prefix}<name>)")
+    return m
 
 # %% ../nbs/00_core.ipynb #00c1a414
 PLAN_KEYS = ("preset", "section", "rows", "steps", "batch_size", "epochs", "warmup_steps", "precision", "stages")

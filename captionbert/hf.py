@@ -51,6 +51,19 @@ class CaptionBertModel(PreTrainedModel):
     def _init_weights(self, module):
         pass  # every weight comes from model.safetensors
 
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        # transformers only warns about missing or unexpected weights; a config that does not fit its weights is refused here
+        wants_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        bad = {k: sorted(str(x) for x in info.get(k) or ())[:5] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs") if info.get(k)}
+        if bad:
+            where = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+            raise ValueError(f"the weights in {where} do not fit its config.json (positions {model.config.encoder.get('position')!r}, "
+                             f"FFN {model.config.encoder.get('ffn')!r}): {bad}. The config was edited or belongs to other weights: "
+                             "restore the config.json the export was written with")
+        return (model, info) if wants_info else model
+
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, output_hidden_states=False,
                 output_attentions=False, return_dict=True, output_pointer_loss=False, **kwargs):
         pos = self.encoder.positions
@@ -102,6 +115,8 @@ def export_pretrained(model: CaptionEncoder, # the trained encoder
     # export, goes in last, so an interrupted export over an old one leaves the old config and no partial file
     with tempfile.TemporaryDirectory(dir=folder, prefix=".tokenizer-") as stage:   # same filesystem: moves are renames
         tokenizer.save_pretrained(stage)
+        tcp = Path(stage) / "tokenizer_config.json"                 # the tokenizer's length limit is the model's, not its vocabulary's default
+        atomic_write_json(tcp, {**(json.loads(tcp.read_text()) if tcp.exists() else {}), "model_max_length": model.config.max_positions})
         for p in sorted(Path(stage).iterdir()):
             if p.is_file(): os.replace(p, folder / p.name)
     if remote_code: atomic_write_bytes(folder / "modeling_captionbert.py", code.encode())
@@ -133,28 +148,32 @@ def load_pretrained(folder, # a folder written by export_pretrained
 SERVING_CASES = (   # name, batch, length, padding (none | right | mixed | all), precision (fp32 | bf16 | fp16), diagnostics
     ("b1-l5-fp32", 1, 5, "none", "fp32", False), ("b1-l5-bf16", 1, 5, "none", "bf16", False),
     ("b3-l17-right-fp32", 3, 17, "right", "fp32", False), ("b3-l17-right-bf16", 3, 17, "right", "bf16", False),
-    ("b3-l17-right-fp16", 3, 17, "right", "fp16", False), ("b8-l64-mixed-fp32", 8, 64, "mixed", "fp32", False),
+    ("b3-l17-right-fp16", 3, 17, "right", "fp16", False), ("b3-l17-left-fp32", 3, 17, "left", "fp32", False),
+    ("b3-l17-left-bf16", 3, 17, "left", "bf16", False), ("b8-l64-mixed-fp32", 8, 64, "mixed", "fp32", False),
     ("b8-l64-mixed-bf16", 8, 64, "mixed", "bf16", False), ("b8-l64-mixed-fp16", 8, 64, "mixed", "fp16", False),
     ("b2-l9-allpad-fp32", 2, 9, "all", "fp32", False), ("b2-l9-allpad-bf16", 2, 9, "all", "bf16", False),
     ("b4-l256-mixed-fp32", 4, 256, "mixed", "fp32", False), ("b2-l12-diagnostics-fp32", 2, 12, "right", "fp32", True),
+    ("b3-l12-left-diagnostics-fp32", 3, 12, "left", "fp32", True),
     ("b1-capacity-fp32", 1, 8192, "none", "fp32", False),   # length: min(8192, the model's max_positions); shape + finiteness
 )
 SERVING_REPORT = "serving_report.json"
 
 def serving_inputs(batch: int, length: int, padding: str, seed: int = 0, vocab: int = 30000):
-    "Deterministic (input_ids, attention_mask) [B, L] for a serving case: [CLS] ... [SEP], then right padding as asked."
+    "Deterministic (input_ids, attention_mask) [B, L] for a serving case: [CLS] ... [SEP], padded on the right (left: the same rows, padded on the left)."
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1000, vocab, (batch, length), generator=g); ids[:, 0] = 101
     if length >= 8: ids[:, 4:7] = ids[:, 1:4]                           # a repeated span: a binding option's pointer has targets
     n = torch.full((batch,), length)
-    if padding == "right": n[-1] = max(2, length - length // 3)
+    if padding in ("right", "left"): n[-1] = max(2, length - length // 3)
     elif padding == "mixed": n = torch.randint(2, length + 1, (batch,), generator=g); n[0] = length
     elif padding == "all": n[-1] = 0
-    elif padding != "none": raise ValueError(f"unknown padding {padding!r}: none, right, mixed or all")
+    elif padding != "none": raise ValueError(f"unknown padding {padding!r}: none, right, left, mixed or all")
     m = (torch.arange(length)[None] < n[:, None]).long()
     ids = ids.masked_fill(m == 0, 0)
     for b in range(batch):
         if 0 < n[b] <= length: ids[b, n[b] - 1] = 102
+    if padding == "left":                                               # each row's padding moved in front of it
+        for b in range(batch): ids[b], m[b] = ids[b].roll(int(length - n[b])), m[b].roll(int(length - n[b]))
     return ids, m
 
 def _precision(device: torch.device, name: str):
@@ -193,8 +212,8 @@ class ServingReport:
     def __repr__(self):
         rows = [f"serving verification of {self.folder} ({self.config.get('position')} positions, {self.config.get('ffn')} FFN): "
                 f"{'PASSED' if self.passed else 'FAILED'}, {len(self.cases)} cases, atol {self.atol}",
-                f"{'case':<26}{'B':>3}{'L':>6}  {'sentence':>9}  {'token':>9}  {'finite':>6}  ok"]
-        rows += [f"{c['name']:<26}{c['batch']:>3}{c['length']:>6}  {c['sentence_max_diff']:>9.2e}  {c['token_max_diff']:>9.2e}  {str(c['finite']):>6}  "
+                f"{'case':<30}{'B':>3}{'L':>6}  {'sentence':>9}  {'token':>9}  {'finite':>6}  ok"]
+        rows += [f"{c['name']:<30}{c['batch']:>3}{c['length']:>6}  {c['sentence_max_diff']:>9.2e}  {c['token_max_diff']:>9.2e}  {str(c['finite']):>6}  "
                  f"{'yes' if c['ok'] else 'NO: ' + c['why']}" for c in self.cases]
         rows += [f"padding {p['name']:<18} sentence {p['sentence_max_diff']:.2e}  token {p['token_max_diff']:.2e}  (native; reported)" for p in self.padding]
         return "\n".join(rows)
@@ -249,7 +268,8 @@ def verify_serving(model: CaptionEncoder, # the native model (the one exported, 
             finite = all(bool(torch.isfinite(o[k]).all()) for o in (mine, theirs) for k in ("sentence", "token"))
             cfg = model.config
             shape_ok = all(tuple(o["token"].shape) == (B, L, cfg.hidden) and tuple(o["sentence"].shape) == (B, cfg.out_dim) for o in (mine, theirs))
-            if diag: shape_ok &= len(theirs["hidden"]) == cfg.layers + 1 and all(tuple(a.shape) == (B, cfg.heads, L, L) for a in theirs["attn"])
+            if diag: shape_ok &= all(len(o["hidden"]) == cfg.layers + 1 and len(o["attn"]) == cfg.layers              # one attention map a block
+                                     and all(tuple(a.shape) == (B, cfg.heads, L, L) for a in o["attn"]) for o in (mine, theirs))
             real = m.any(1)
             norms = theirs["sentence"].norm(dim=-1)
             unit = bool((norms[real] - 1).abs().max() < 1e-2) if real.any() else True

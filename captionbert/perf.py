@@ -23,7 +23,8 @@ from .train import TrainConfig
 
 # %% auto #0
 __all__ = ['PARAM_TOLERANCE', 'STEP', 'MATMUL_OPS', 'BertTwin', 'check_same_size', 'summarize', 'train_step_benchmark',
-           'routed_step_benchmark', 'profile_step', 'model_flops_per_step', 'main']
+           'pair_step_benchmark', 'routed_step_benchmark', 'profile_step', 'caption_batches', 'model_flops_per_step',
+           'main']
 
 # %% ../nbs/05a_perf.ipynb #adcdd9ae
 PARAM_TOLERANCE = 0.01  # the twin's parameter count may differ from the encoder's by at most this fraction of it
@@ -154,6 +155,31 @@ def train_step_benchmark(cfg: EncoderConfig, # the architecture to measure
                real_tokens=real, padded_tokens=slots - real, steps=steps)
     return out
 
+def pair_step_benchmark(model_a: nn.Module, # the model measured
+                        model_b: nn.Module, # its reference, stepped on the same batches
+                        batches: Sequence, # Batch objects (the same for both models)
+                        names: tuple = ("a", "b"), # the two models' keys in the record and the figures
+                        ratio_key: str | None = None, # the key of total time a / total time b (None: step_time_ratio_<a>_vs_<b>)
+                        device=None, precision: str | None = None,
+                        rounds: int = 3, # passes over the batches; the models alternate per batch
+                        warmup: int = 2, # untimed steps per model first (they also allocate Adam's state)
+                        train_cfg: TrainConfig | None = None # lr, weight decay, grad clip, temperature (default: TrainConfig())
+                       ) -> dict:
+    "Full training-step time of two models on the same batches, back to back, alternating who goes first: the record, throughputs, ratio a / b."
+    a, b = names
+    if model_a is model_b or a == b:
+        raise ValueError(f"a step-time pair needs two models under two names, got {names} and {'one model object twice' if model_a is model_b else 'two models'}: "
+                         "build each model on its own (seeded alike) and name them apart")
+    device = pick_device(device); precision = pick_precision(device, precision); tc = train_cfg or TrainConfig()
+    batches = [x.to(device) for x in batches]
+    steps = _alternate({a: model_a.to(device).train(), b: model_b.to(device).train()}, batches, device, precision, tc, rounds, warmup)
+    out = summarize(steps, names)
+    for k, m in ((a, model_a), (b, model_b)): out[k] = {"params": n_params(m), **out[k]}
+    out[ratio_key or f"step_time_ratio_{a}_vs_{b}"] = round(out[a]["total_s"] / out[b]["total_s"], 4)   # > 1: model a is slower
+    out.update(step=STEP, device=str(device), precision=precision, threads=torch.get_num_threads(), steps_timed=len(steps),
+               real_tokens=sum(r[a]["tokens"] for r in steps), batch_shapes=[list(x.input_ids.shape) for x in batches], steps=steps)
+    return out
+
 def routed_step_benchmark(cfg: EncoderConfig, # the architecture; timed with a dense FFN (a2) and with the anchored FFN (a1)
                           batches: Sequence, # Batch objects (the same for both models)
                           device=None, precision: str | None = None,
@@ -161,19 +187,11 @@ def routed_step_benchmark(cfg: EncoderConfig, # the architecture; timed with a d
                           warmup: int = 2, # untimed steps per model first
                           train_cfg: TrainConfig | None = None # as in train_step_benchmark
                          ) -> dict:
-    "Full training-step throughput of the anchored trunk (AlephLM's a1) against the dense trunk (a2) of one config, on the same batches."
-    device = pick_device(device); precision = pick_precision(device, precision); tc = train_cfg or TrainConfig()
-    cfgs = {"anchored": dataclasses.replace(cfg, ffn="anchored"), "dense": dataclasses.replace(cfg, ffn="dense")}
+    "The anchored trunk (AlephLM's a1) against the dense trunk (a2) of one config, seeded alike, through pair_step_benchmark."
     models = {}
-    for k, c in cfgs.items(): set_seed(0); models[k] = CaptionEncoder(c).to(device).train()
-    batches = [b.to(device) for b in batches]
-    steps = _alternate(models, batches, device, precision, tc, rounds, warmup)
-    out = summarize(steps, ("anchored", "dense"))
-    for k, m in models.items(): out[k] = {"params": n_params(m), **out[k]}
-    out["step_time_ratio_a1_vs_a2"] = round(out["anchored"]["total_s"] / out["dense"]["total_s"], 4)   # < 1: the anchored trunk is faster
-    out.update(step=STEP, device=str(device), precision=precision, threads=torch.get_num_threads(), steps_timed=len(steps),
-               real_tokens=sum(r["anchored"]["tokens"] for r in steps), steps=steps)
-    return out
+    for k in ("anchored", "dense"): set_seed(0); models[k] = CaptionEncoder(dataclasses.replace(cfg, ffn=k))
+    return pair_step_benchmark(models["anchored"], models["dense"], batches, ("anchored", "dense"), "step_time_ratio_a1_vs_a2",   # < 1: a1 is faster
+                               device=device, precision=precision, rounds=rounds, warmup=warmup, train_cfg=train_cfg)
 
 def profile_step(cfg: EncoderConfig, # the architecture to measure
                  batches: Sequence, # Batch objects (the same for both models)
@@ -208,6 +226,17 @@ def profile_step(cfg: EncoderConfig, # the architecture to measure
                real_tokens_per_model=sum(batches[i % len(batches)].real_tokens for i in range(steps)))
     return out
 
+def caption_batches(batch_size: int, # rows per batch
+                    n_batches: int, # how many: the first of a length-bucketed plan
+                    pool: int = 50 # captions read per batch wanted (the plan buckets them by length)
+                   ) -> tuple:
+    "(the length-bucketed Batches every step benchmark times, the plan's padding report, the caption source)."
+    src = default_captions(verbose=False)
+    ids = tokenize(load_tokenizer(), [src[i] for i in range(min(len(src), batch_size * n_batches * pool))])
+    lengths = [len(x) for x in ids]
+    plan = LengthBucketSampler(lengths, batch_size, seed=0).batches(0)
+    return [collate([ids[i] for i in rows], rows) for rows in plan[:n_batches]], padding_report(lengths, plan), src
+
 def model_flops_per_step(cfg: EncoderConfig, batches: Sequence) -> float:
     "Approximate training FLOPs of one pass over `batches` (6 x non-embedding params x tokens + attention)."
     body = cfg.layers * (4 * cfg.hidden ** 2 + 2 * cfg.hidden * cfg.ffn_hidden) + cfg.hidden * cfg.head_hidden + cfg.head_hidden * cfg.out_dim
@@ -235,13 +264,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     "the dense one (a2) of the preset: key step_time_ratio_a1_vs_a2")
     a = ap.parse_args(argv)
     cfg = EncoderConfig.preset(a.preset)
-    src = default_captions(verbose=False)
-    texts = [src[i] for i in range(min(len(src), a.batch_size * a.batches * 50))]
-    ids = tokenize(load_tokenizer(), texts)
-    lengths = [len(x) for x in ids]
-    plan = LengthBucketSampler(lengths, a.batch_size, seed=0).batches(0)
-    pad = padding_report(lengths, plan)
-    batches = [collate([ids[i] for i in rows], rows) for rows in plan[:a.batches]]
+    batches, pad, src = caption_batches(a.batch_size, a.batches)
     head = {"preset": a.preset, "batch_size": a.batch_size, "captions": repr(src), "torch": torch.__version__}
     if a.anchored:
         res = {**head, **routed_step_benchmark(cfg, batches, device=a.device, precision=a.precision, rounds=a.rounds)}

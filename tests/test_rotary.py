@@ -1,6 +1,7 @@
 """CaptionBERT-8192-rotary beyond its notebook: the released default's count on the meta device, the relative property
-against a learned-position control, an export whose config names learned positions, and a serving verifier that
-fails a perturbed export (and passes the honest one)."""
+against a learned-position control, an export whose config names learned positions (refused natively and by AutoModel),
+the exported tokenizer's length limit, a serving verifier that fails a perturbed export (and passes the honest one), and
+the Run section's list parameters as papermill hands them over."""
 import json
 import shutil
 import tempfile
@@ -64,6 +65,12 @@ def test_rotary_export_loaded_as_learned_is_refused(rotary_export):
     (other / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="weights are of a rotary-position encoder, but this encoder's positions are learned"):
         load_pretrained(other)
+    import sys
+    from unittest import mock
+    from transformers import AutoModel
+    with mock.patch.dict(sys.modules, {"captionbert": None}), \
+         pytest.raises(ValueError, match=r"do not fit its config.json \(positions 'learned'.*missing_keys.*position"):
+        AutoModel.from_pretrained(str(other), trust_remote_code=True)   # transformers alone loads it with a warning
     cfg["encoder"].update(position="rotary", rope_scale=1.0); (other / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"rotary \(base, scale\) = \(10000.0, 4.0\)"):
         load_pretrained(other)
@@ -79,3 +86,27 @@ def test_hierarchical_export_serves_like_native():
     rep = verify_serving(model, export_pretrained(model, load_tokenizer(), Path(tempfile.mkdtemp()) / "hier"),
                          cases=[c for c in SERVING_CASES if c[2] <= 64])
     assert rep.passed, rep
+
+
+def test_exported_tokenizer_limit_is_the_model_capacity(rotary_export):
+    from transformers import AutoTokenizer
+    model, folder = rotary_export
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    assert tok.model_max_length == model.config.max_positions == 8192, tok.model_max_length
+    assert len(tok("word " * 1000, truncation=True)["input_ids"]) == 1002     # truncation reads the model's limit, not BERT's 512
+
+
+def test_run_list_parameters_as_papermill_passes_them():
+    "papermill -p values go through its own type resolution and Python codification, then the Run section's parameter_list."
+    pytest.importorskip("papermill")
+    from papermill.cli import _resolve_type
+    from papermill.translators import PythonTranslator
+    from captionbert.rotary import RotaryConfig, parameter_list
+    for raw_options, raw_seeds in (('["relative", "learned"]', "1,2"), ("relative,learned", "[1, 2]")):
+        ns = {}
+        exec(PythonTranslator.codify({"options": _resolve_type(raw_options), "seeds": _resolve_type(raw_seeds)}), ns)
+        cfg = RotaryConfig.preset("cpu", options=parameter_list(ns["options"]), seeds=parameter_list(ns["seeds"], int))
+        assert (cfg.options, cfg.seeds) == (("relative", "learned"), (1, 2))
+    ns = {}
+    exec(PythonTranslator.codify({"seeds": _resolve_type("2")}), ns)          # one value: papermill makes it an int
+    assert parameter_list(ns["seeds"], int) == (2,)
