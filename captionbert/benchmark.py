@@ -174,7 +174,7 @@ class StudentEncoder:
         "Load an exported student natively (its config and safetensors; no code from the folder runs)."
         from transformers import AutoTokenizer
         from captionbert.hf import load_pretrained
-        return cls(load_pretrained(folder), AutoTokenizer.from_pretrained(str(folder)), name=name or Path(folder).name, **kw)
+        return cls(load_pretrained(folder), AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False), name=name or Path(folder).name, **kw)
     def encode(self, texts: list[str]) -> torch.Tensor:
         "L2-normalized sentence vectors [N, O]."
         texts = list(texts)
