@@ -122,6 +122,9 @@ def export_pretrained(model: CaptionEncoder, # the trained encoder
     if remote_code: atomic_write_bytes(folder / "modeling_captionbert.py", code.encode())
     with atomic_path(folder / "model.safetensors") as tmp: save_file(state, str(tmp), metadata={"format": "pt"})
     atomic_write_json(folder / "config.json", config)
+    if remote_code:                      # the sentence-transformers modules (they read config.json): SentenceTransformer(folder) gives pooler_output
+        from captionbert.doors import add_sentence_transformers
+        add_sentence_transformers(folder)
     return folder
 
 def load_pretrained(folder, # a folder written by export_pretrained
