@@ -74,6 +74,7 @@ class RelayConfig:
     kl_temperature: float = 1.0
     eval_every: int = 100                # steps between held-out gauges (perplexity) in every training run
     eval_rows: int = 512                 # held-out rows read by those gauges (the final numbers read all `heldout`)
+    eval_batch: int = 64                 # rows per forward pass of the gauges (published: [B, L, V] logits are large)
     cloze_items: int = 500
     cloze_choices: int = 5
     map_steps: int = 400                 # full-batch steps of each cross-tokenizer map
@@ -100,7 +101,7 @@ class RelayConfig:
         return cls(**{"name": "published", "rows": None, "heldout": 4000, "bpe_vocab": QWEN25_VOCAB, "max_tokens": 512,
                       "teacher": QWEN25_15B, "student": QWEN25_05B, "teacher_steps": 0, "student_steps": 0, "lm_batch": 16,
                       "sites": (0, 6, 12, 18, 23), "width": 256, "distill_steps": 2000, "distill_batch": 16,
-                      "distill_lr": 1e-3, "eval_every": 250, "eval_rows": 1024, "cloze_items": 1000,
+                      "distill_lr": 1e-3, "eval_every": 250, "eval_rows": 1024, "eval_batch": 4, "cloze_items": 1000,
                       "teacher_hub": "Qwen/Qwen2.5-1.5B", "student_hub": "Qwen/Qwen2.5-0.5B",
                       "corpus_hub": "hub:Salesforce/wikitext:text:train",
                       "lm_eval_tasks": ("arc_easy", "hellaswag", "piqa", "winogrande"), **kw})
@@ -190,7 +191,8 @@ def fit(model: nn.Module, # its parameters that require grad are trained
         corpus: dict, # what the stage trains on (checked on resume)
         seed: int = 0, device=None, progress: bool = False,
         config: Optional[dict] = None, # the rest of the run's config (model shape, relays, ...)
-        extra_gauges=None # (model, step) -> dict, logged beside the held-out perplexity
+        extra_gauges=None, # (model, step) -> dict, logged beside the held-out perplexity
+        eval_batch: int = 64 # rows per forward pass of the held-out perplexity
        ):
     "Train `model` on the one loop (`train.train`), or read back the completed run of the same corpus and config."
     run = RunDir(run_dir)
@@ -203,7 +205,7 @@ def fit(model: nn.Module, # its parameters that require grad are trained
             model.load_state_dict(ck["model"]); return model
     eval_rows = list(eval_rows)
     def gauges(m, step):
-        out = {"eval/perplexity": perplexity(m, store, eval_rows)}
+        out = {"eval/perplexity": perplexity(m, store, eval_rows, eval_batch)}
         return {**out, **(extra_gauges(m, step) if extra_gauges else {})}
     set_seed(seed)
     train(model, BatchPlan(store, np.asarray(train_rows), cfg.batch_size, seed=seed), loss_fn, cfg, run, corpus,
@@ -236,7 +238,8 @@ class Relay(nn.Module):
     @property
     def opening(self) -> float: return float(torch.sigmoid(self.gate.detach()))
     def forward(self, h: torch.Tensor) -> torch.Tensor:   # [B, L, D] -> [B, L, D]
-        return h + torch.sigmoid(self.gate).to(h.dtype) * self.up(self.code(h))
+        z = self.code(h.to(self.up.weight.dtype))          # [B, L, K] in the relay's own precision (a bf16 base, fp32 relays)
+        return h + (torch.sigmoid(self.gate) * self.up(z)).to(h.dtype)
     def __repr__(self): return f"Relay({self.kind}, D={self.up.out_features}, K={self.up.in_features}, opening={self.opening:.4f})"
 
 def decoder_layers(lm) -> nn.ModuleList:
@@ -391,7 +394,7 @@ def _model_fingerprint(model) -> str:
 
 def distill(model: RelayModel, teacher, cfg: TrainConfig, store: TokenStore, train_rows, eval_rows, run_dir,
             corpus: dict, temperature: float = 1.0, seed: int = 0, device=None, progress: bool = False,
-            teacher_tokenizer=None, student_tokenizer=None) -> RelayModel:
+            teacher_tokenizer=None, student_tokenizer=None, eval_batch: int = 64) -> RelayModel:
     "KL-distil `teacher` into the relays of `model` on the one loop; the toggle is asserted before and after."
     loss = DistillLoss(teacher, model, temperature, teacher_tokenizer, student_tokenizer)
     model.assert_toggle_exact()
@@ -400,7 +403,7 @@ def distill(model: RelayModel, teacher, cfg: TrainConfig, store: TokenStore, tra
     config = {"relays": {"kind": model.kind, "sites": model.sites, "params": model.n_relay_params()}, "temperature": temperature, "seed": seed}
     corpus = {**corpus, "student": model.base_fingerprint, "teacher": _model_fingerprint(teacher)}
     fit(model, loss, cfg, store, train_rows, eval_rows, run_dir, corpus, seed=seed, device=dev, progress=progress, config=config,
-        extra_gauges=lambda m, step: {"eval/kl": held_out_kl(teacher, m, store, list(eval_rows))})
+        extra_gauges=lambda m, step: {"eval/kl": held_out_kl(teacher, m, store, list(eval_rows), eval_batch)}, eval_batch=eval_batch)
     model.assert_toggle_exact()
     return model
 
