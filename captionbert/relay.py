@@ -6,9 +6,9 @@ plain-MLP control at parameter parity), KL-distilled from a larger sibling, and 
 # %% auto #0
 __all__ = ['QWEN25_VOCAB', 'QWEN25_05B', 'QWEN25_15B', 'BPE_SPECIALS', 'RELAY_KINDS', 'LMShape', 'RelayConfig', 'train_bpe',
            'lm_nll', 'logits_of', 'LMLoss', 'perplexity', 'build_lm', 'fit', 'Relay', 'decoder_layers', 'RelayModel',
-           'relay_pair', 'check_same_vocab', 'DistillLoss', 'held_out_kl', 'distill', 'cloze_items', 'cloze_accuracy',
-           'shared_word_pairs', 'minilm_token_vectors', 'fit_token_map', 'map_top1', 'token_map_study', 'load_hub_lm',
-           'lm_eval_scores']
+           'check_parity', 'relay_pair', 'check_same_vocab', 'DistillLoss', 'held_out_kl', 'distill', 'cloze_items',
+           'cloze_accuracy', 'shared_word_pairs', 'minilm_token_vectors', 'fit_token_map', 'map_top1',
+           'token_map_study', 'load_hub_lm', 'lm_eval_scores']
 
 # %% ../nbs/12_relay.ipynb #6a1b3662
 import copy, dataclasses, math
@@ -335,11 +335,19 @@ class RelayModel(nn.Module):
         return float((off - self.frozen_logits).abs().max())
     def __repr__(self): return f"RelayModel({self.kind}, sites={self.sites}, relay params={self.n_relay_params():,})"
 
+def check_parity(models: dict # {name: RelayModel}: the variants compared
+                ) -> int:
+    "GuardError unless every variant trains the same number of relay parameters on the same sites; returns the count."
+    counts = {k: (m.n_relay_params(), tuple(sorted(m.sites))) for k, m in models.items()}
+    if len(set(counts.values())) != 1:
+        raise GuardError(f"the relays compared are not at parameter parity on the same sites: {counts}. A control priced at "
+                         "another size cannot tell the mechanism from the capacity (LAWS.md law 13); build them with relay_pair")
+    return next(iter(counts.values()))[0]
+
 def relay_pair(base, sites: Sequence[int], width: int, tau: float = 0.10, gate_init: float = -3.0, seed: int = 0) -> dict:
     "The aleph relays and the control at parameter parity, each on its own copy of `base`: {kind: RelayModel}."
     pair = {k: RelayModel(copy.deepcopy(base), sites, k, width, tau, gate_init, seed) for k in RELAY_KINDS}
-    counts = {k: m.n_relay_params() for k, m in pair.items()}
-    if len(set(counts.values())) != 1: raise GuardError(f"the control is not at parameter parity with the aleph relays: {counts}")
+    check_parity(pair)
     return pair
 
 # %% ../nbs/12_relay.ipynb #cb463415
