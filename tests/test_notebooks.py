@@ -14,7 +14,7 @@ from nbdev.test import test_nb as run_notebook
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted(p for p in (ROOT / "nbs").glob("*.ipynb") if not p.name.startswith("_"))
 # the section notebooks: each ends with a "## Run:" section whose first code cell is tagged `parameters`
-RUN_NOTEBOOKS = {"01d_doors", "02_benchmark", "03_alignment", "03a_rosters", "08_alephlm", "04_consensus", "05_train", "06_amoe", "07_transplant", "09_depth", "10_splat", "11_rotary"}
+RUN_NOTEBOOKS = {"01d_doors", "02_benchmark", "03_alignment", "03a_rosters", "08_alephlm", "04_consensus", "05_train", "06_amoe", "07_transplant", "09_depth", "10_splat", "11_rotary", "12_relay"}
 
 
 def _cells(nb: Path) -> list:
@@ -95,7 +95,7 @@ def test_laws_name_real_guards():
     import importlib
     laws = (ROOT / "LAWS.md").read_text()
     missing = []
-    for mod, attr in set(re.findall(r"`(core|gauges|data|teachers|alignment|consensus|train|amoe|benchmark|retrieval|hf|perf|alephlm|rosters|encoder|rotary|splat|rehearsal|depth|doors)\.([A-Za-z_]\w*)", laws)):
+    for mod, attr in set(re.findall(r"`(core|gauges|data|teachers|alignment|consensus|train|amoe|benchmark|retrieval|hf|perf|alephlm|rosters|encoder|rotary|splat|rehearsal|depth|doors|relay)\.([A-Za-z_]\w*)", laws)):
         if not hasattr(importlib.import_module(f"captionbert.{mod}"), attr): missing.append(f"{mod}.{attr}")
     assert not missing, f"LAWS.md names guards the library does not have: {sorted(missing)}"
 
