@@ -69,6 +69,7 @@ def _start_lab(tmp_path: Path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
            "JUPYTER_CONFIG_DIR": str(tmp_path / "config"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
            "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "settings"), "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "workspaces"),
+           "JUPYTER_DATA_DIR": str(tmp_path / "data"), "IPYTHONDIR": str(tmp_path / "ipython"),   # no history or signatures in ~
            "PLOTLY_RENDERER": ""}
     log = open(tmp_path / "jupyterlab.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
@@ -101,8 +102,11 @@ def test_inspector_in_a_real_browser(tmp_path):
     proc, base, token = _start_lab(tmp_path)
     try:
         with sync_api.sync_playwright() as p:
+            home = tmp_path / "home"                                  # Chromium's profile, crash reports and caches stay in tmp_path
             browser = p.chromium.launch(executable_path=exe, headless=True,
-                                        args=["--no-sandbox"] if hasattr(os, "geteuid") and os.geteuid() == 0 else [])
+                                        args=["--no-sandbox"] if hasattr(os, "geteuid") and os.geteuid() == 0 else [],
+                                        env={**os.environ, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
+                                             "XDG_CACHE_HOME": str(home / ".cache")})
             page = browser.new_page(viewport={"width": 1400, "height": 1800})
             page.set_default_timeout(240_000)
             page.goto(f"{base}/lab/tree/inspector.ipynb?token={token}")
@@ -143,4 +147,10 @@ def test_inspector_in_a_real_browser(tmp_path):
         proc.terminate()
         try: proc.wait(timeout=30)
         except subprocess.TimeoutExpired: proc.kill()
-    print(f"browser test: {time.monotonic() - t0:.1f}s wall (JupyterLab, Chromium, the kernel's cells, three checks); screenshot {shot}")
+    # the screenshot and the wall time outlive the test's tmp_path (removed on a pass): runs/browser/, or $CAPTIONBERT_ARTIFACTS
+    keep = Path(os.environ.get("CAPTIONBERT_ARTIFACTS") or ROOT / "runs" / "browser"); keep.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(shot, keep / "inspector.png")
+    wall = round(time.monotonic() - t0, 1)
+    (keep / "browser.json").write_text(json.dumps({"wall_s": wall, "rows": [len(first), len(second)], "unchecked": "simplification",
+                                                   "screenshot": str(keep / "inspector.png")}, indent=1))
+    print(f"browser test: {wall}s wall (JupyterLab, Chromium, the kernel's cells, three checks); screenshot {keep / 'inspector.png'}")
