@@ -131,6 +131,7 @@ class ProbeSet:
     span: torch.Tensor           # [2N, 2] the item's first and one-past-last token position
     depth: int
     rows: tuple                  # the items' (grammar seed, row): their identity
+    kind: str = "colour"         # the attribute kind read (its values are the attribute classes)
     def __len__(self): return self.batch.input_ids.shape[0]
     def __repr__(self): return f"ProbeSet({len(self.rows)} items at depth {self.depth}, L={self.batch.input_ids.shape[1]})"
 
@@ -138,6 +139,8 @@ def probe_set(tokenizer, items: Sequence[BindingItem], filler: Sequence[int], # 
               depth: int, capacity: int) -> ProbeSet:
     "Place every item (both sides) at `depth` inside the same filler, and record each object's noun and attribute token positions."
     values = {k: list(v) for k, v in ATTRIBUTE_KINDS}
+    kinds = sorted({it.kind for it in items})
+    if len(kinds) != 1: raise ValueError(f"a probe set reads one attribute kind; these items swap {kinds}: make one probe set a kind")
     ids, npos, apos, noun, attr, span, rows = [], [], [], [], [], [], []
     for it in items:
         for s, scene in enumerate(it.sides()):
@@ -150,7 +153,7 @@ def probe_set(tokenizer, items: Sequence[BindingItem], filler: Sequence[int], # 
             noun.append([NOUNS.index(r[2]) for r in reads]); attr.append([values[it.kind].index(r[3]) for r in reads])
             span.append([depth, len(seq) - 1])
     t = lambda x: torch.tensor(x, dtype=torch.long)
-    return ProbeSet(collate(ids, rows), t(npos), t(apos), t(noun), t(attr), t(span), depth, tuple((it.seed, it.row) for it in items))
+    return ProbeSet(collate(ids, rows), t(npos), t(apos), t(noun), t(attr), t(span), depth, tuple((it.seed, it.row) for it in items), kinds[0])
 
 # %% ../nbs/09_depth.ipynb #d9e20ecf
 @torch.no_grad()
@@ -229,7 +232,7 @@ def wilson95(p: float, # an observed proportion (ties counted half)
 
 def _binding_read(states, ps, direction):
     "States at one role of every object and the two-way choice each must make: [M, D], the right class and the other one, and the class count."
-    pos, y, k = (ps.noun_pos, ps.attr, len(dict(ATTRIBUTE_KINDS)["colour"])) if direction == "object" else (ps.attr_pos, ps.noun, len(NOUNS))
+    pos, y, k = (ps.noun_pos, ps.attr, len(dict(ATTRIBUTE_KINDS)[ps.kind])) if direction == "object" else (ps.attr_pos, ps.noun, len(NOUNS))
     r = torch.arange(len(ps))[:, None].expand(-1, 2)
     return states[r, pos].reshape(-1, states.shape[-1]), y.reshape(-1), y.flip(1).reshape(-1), k
 
@@ -265,17 +268,22 @@ def token_table(model) -> torch.Tensor:
 def token_recoverability(fit_states: torch.Tensor, fit: Batch, # [B, L, D] states of some sentences, and their tokens
                          eval_states: torch.Tensor, held: Batch, # the same for other sentences
                          table: torch.Tensor, # [V, D] the embeddings a token is identified by (nearest, by cosine)
-                         bar: float = RECOVERY_BAR, lam: float = 0.01, special: tuple = (0, 101, 102)) -> dict:
+                         special: Sequence[int], # the tokenizer's special ids (tokenizer.all_special_ids): never read, never candidates
+                         bar: float = RECOVERY_BAR, lam: float = 0.01,
+                         vocabulary: bool = False # candidates: the whole token table (True) or only the tokens of these sentences
+                        ) -> dict:
     "The input token identified from its final state: a linear map fit on other sentences into the token table, then the nearest token."
     def real(states, b):
         m = b.attention_mask.bool() & ~torch.isin(b.input_ids, torch.tensor(special))
         return states[m], b.input_ids[m]
     X, ids = real(fit_states, fit); Xe, ide = real(eval_states, held)
     predict = _ridge(X, table[ids], lam)
-    cands = torch.unique(torch.cat([ids, ide]))                                      # the tokens of these sentences
-    sim = F.normalize(predict(Xe).float(), dim=-1) @ F.normalize(table[cands], dim=-1).T   # [M, C]
-    acc = float((cands[sim.argmax(1)] == ide).float().mean())
-    return {"recoverability": acc, "chance": 1 / len(cands), "candidates": len(cands), "n_read": len(ide), "bar": bar,
+    every = torch.arange(table.shape[0])
+    cands = every[~torch.isin(every, torch.tensor(list(special)))] if vocabulary else torch.unique(torch.cat([ids, ide]))
+    P, T = F.normalize(predict(Xe).float(), dim=-1), F.normalize(table[cands], dim=-1)
+    best = torch.cat([(P[i:i + 512] @ T.T).argmax(1) for i in range(0, len(P), 512)])   # [M] nearest candidate, in chunks of [512, C]
+    acc = float((cands[best] == ide).float().mean())
+    return {"recoverability": acc, "chance": 1 / len(cands), "candidates": len(cands), "n_read": len(ide), "bar": bar, "vocabulary": vocabulary,
             "verdict": "recoverable" if acc >= bar else "not recoverable"}
 
 def grid_rank(states: torch.Tensor, # [B, L, D]

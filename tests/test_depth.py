@@ -80,3 +80,14 @@ def test_published_trunk_is_the_v2_run_checked_against_the_plan(tmp_path):
     cfg = DepthConfig.published()
     assert backbone_runs(cfg, root=tmp_path)[cfg.backbone_preset].name == "05_train-v2-seed0"
     with pytest.raises(GuardError, match="05_train-v2-seed0 holds no finished 05_train run"): resolve_backbones(cfg, root=tmp_path)
+
+
+def test_probe_sets_read_their_own_attribute_kind():
+    tok, filler = _Tok(), [7] * 40
+    fit, held = binding_items(10, seed=5, kind="material"), binding_items(6, seed=6, kind="material")
+    pf, ph = probe_set(tok, fit, filler, 4, 64), probe_set(tok, held, filler, 4, 64)
+    assert pf.kind == "material"
+    bow = BagOfWords(torch.randn(3000, 16))
+    r = binding_probe(bow(pf.batch.input_ids).last_hidden_state, pf, bow(ph.batch.input_ids).last_hidden_state, ph)
+    assert (r["object_to_attribute"], r["attribute_to_object"]) == (0.5, 0.5)
+    with pytest.raises(ValueError, match="one attribute kind"): probe_set(tok, fit[:2] + binding_items(2, seed=7), filler, 4, 64)
