@@ -26,10 +26,11 @@ from .gauges import effective_rank
 # %% auto #0
 __all__ = ['GRAMMAR_WORDS', 'NEUTRAL_WORDS', 'BINDING_BAR', 'RECOVERY_BAR', 'RANK_BAR', 'MIN_DEPTHS', 'SIMILARITY_BAR',
            'BindingItem', 'binding_items', 'scene_reads', 'neutral_captions', 'filler_stream', 'place', 'ProbeSet',
-           'probe_set', 'read_states', 'BagOfWords', 'PositionOnly', 'shuffled_states', 'binding_probe', 'token_table',
-           'token_recoverability', 'grid_rank', 'rank_verdict', 'span_similarity', 'spectrum_depths', 'read_spectrum',
-           'spectrum_ends', 'copied_positions', 'ExtendedPositions', 'DepthArm', 'DepthModel', 'assert_disengage_exact',
-           'depth_gate', 'LongInputs', 'TokenDistill', 'DepthConfig', 'load_teacher', 'train_depth_arm']
+           'probe_set', 'read_states', 'BagOfWords', 'PositionOnly', 'shuffled_states', 'binding_holds', 'wilson95',
+           'binding_probe', 'token_table', 'token_recoverability', 'grid_rank', 'rank_verdict', 'span_similarity',
+           'spectrum_depths', 'read_spectrum', 'spectrum_ends', 'copied_positions', 'ExtendedPositions', 'DepthArm',
+           'DepthModel', 'assert_disengage_exact', 'depth_gate', 'LongInputs', 'TokenDistill', 'DepthConfig',
+           'load_teacher', 'train_depth_arm']
 
 # %% ../nbs/09_depth.ipynb #f954ab7a
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +131,7 @@ class ProbeSet:
     span: torch.Tensor           # [2N, 2] the item's first and one-past-last token position
     depth: int
     rows: tuple                  # the items' (grammar seed, row): their identity
+    kind: str = "colour"         # the attribute kind read (its values are the attribute classes)
     def __len__(self): return self.batch.input_ids.shape[0]
     def __repr__(self): return f"ProbeSet({len(self.rows)} items at depth {self.depth}, L={self.batch.input_ids.shape[1]})"
 
@@ -137,6 +139,8 @@ def probe_set(tokenizer, items: Sequence[BindingItem], filler: Sequence[int], # 
               depth: int, capacity: int) -> ProbeSet:
     "Place every item (both sides) at `depth` inside the same filler, and record each object's noun and attribute token positions."
     values = {k: list(v) for k, v in ATTRIBUTE_KINDS}
+    kinds = sorted({it.kind for it in items})
+    if len(kinds) != 1: raise ValueError(f"a probe set reads one attribute kind; these items swap {kinds}: make one probe set a kind")
     ids, npos, apos, noun, attr, span, rows = [], [], [], [], [], [], []
     for it in items:
         for s, scene in enumerate(it.sides()):
@@ -149,7 +153,7 @@ def probe_set(tokenizer, items: Sequence[BindingItem], filler: Sequence[int], # 
             noun.append([NOUNS.index(r[2]) for r in reads]); attr.append([values[it.kind].index(r[3]) for r in reads])
             span.append([depth, len(seq) - 1])
     t = lambda x: torch.tensor(x, dtype=torch.long)
-    return ProbeSet(collate(ids, rows), t(npos), t(apos), t(noun), t(attr), t(span), depth, tuple((it.seed, it.row) for it in items))
+    return ProbeSet(collate(ids, rows), t(npos), t(apos), t(noun), t(attr), t(span), depth, tuple((it.seed, it.row) for it in items), kinds[0])
 
 # %% ../nbs/09_depth.ipynb #d9e20ecf
 @torch.no_grad()
@@ -210,9 +214,25 @@ def _ridge(X: torch.Tensor, Y: torch.Tensor, lam: float) -> Callable:
     W = torch.linalg.solve(Z.T @ Z + lam * len(Z) * torch.eye(Z.shape[1], dtype=Z.dtype), Z.T @ (Y - ybar))
     return lambda x: ((x.double() - mu) / sd) @ W + ybar
 
+def binding_holds(read: dict, # a binding read: binding_probe's output or a spectrum row (both directions)
+                  bar: float = BINDING_BAR) -> bool:
+    "The one definition of \"binding holds\": BOTH directions at or above the bar (their minimum), never their mean."
+    missing = [k for k in ("object_to_attribute", "attribute_to_object") if k not in read]
+    if missing: raise KeyError(f"a binding read needs both directions to say whether binding holds; this one lacks {missing}")
+    return min(read["object_to_attribute"], read["attribute_to_object"]) >= bar
+
+def wilson95(p: float, # an observed proportion (ties counted half)
+             n: int # the reads it is a proportion of
+            ) -> tuple:
+    "The Wilson 95% interval of a binomial proportion: every binding read is printed with it."
+    if n <= 0: raise ValueError(f"an interval needs at least one read, got n={n}")
+    z = 1.959964; den = 1 + z * z / n
+    c, h = (p + z * z / (2 * n)) / den, z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return (float(max(0.0, c - h)), float(min(1.0, c + h)))
+
 def _binding_read(states, ps, direction):
     "States at one role of every object and the two-way choice each must make: [M, D], the right class and the other one, and the class count."
-    pos, y, k = (ps.noun_pos, ps.attr, len(dict(ATTRIBUTE_KINDS)["colour"])) if direction == "object" else (ps.attr_pos, ps.noun, len(NOUNS))
+    pos, y, k = (ps.noun_pos, ps.attr, len(dict(ATTRIBUTE_KINDS)[ps.kind])) if direction == "object" else (ps.attr_pos, ps.noun, len(NOUNS))
     r = torch.arange(len(ps))[:, None].expand(-1, 2)
     return states[r, pos].reshape(-1, states.shape[-1]), y.reshape(-1), y.flip(1).reshape(-1), k
 
@@ -231,8 +251,9 @@ def binding_probe(fit_states: torch.Tensor, fit: ProbeSet, # [2N, L, D] states o
         right, wrong = s.gather(1, y[:, None]), s.gather(1, other[:, None])
         out[name] = float(((right > wrong).double() + 0.5 * (right == wrong).double()).mean())   # ties: half right
     out["binding"] = (out["object_to_attribute"] + out["attribute_to_object"]) / 2
-    holds = min(out["object_to_attribute"], out["attribute_to_object"]) >= bar
-    return {**out, "chance": 0.5, "bar": bar, "n_read": 2 * len(held), "depth": held.depth, "verdict": "holds" if holds else "fails"}
+    n = 2 * len(held)                                                             # reads a direction: two objects a row
+    out["ci95"] = wilson95(out["binding"], 2 * n)                                 # the two directions pooled
+    return {**out, "chance": 0.5, "bar": bar, "n_read": n, "depth": held.depth, "verdict": "holds" if binding_holds(out, bar) else "fails"}
 
 def token_table(model) -> torch.Tensor:
     "The input token embeddings [V, D] of a CaptionEncoder, a model wrapping one, a transformers BERT, or a control."
@@ -247,17 +268,22 @@ def token_table(model) -> torch.Tensor:
 def token_recoverability(fit_states: torch.Tensor, fit: Batch, # [B, L, D] states of some sentences, and their tokens
                          eval_states: torch.Tensor, held: Batch, # the same for other sentences
                          table: torch.Tensor, # [V, D] the embeddings a token is identified by (nearest, by cosine)
-                         bar: float = RECOVERY_BAR, lam: float = 0.01, special: tuple = (0, 101, 102)) -> dict:
+                         special: Sequence[int], # the tokenizer's special ids (tokenizer.all_special_ids): never read, never candidates
+                         bar: float = RECOVERY_BAR, lam: float = 0.01,
+                         vocabulary: bool = False # candidates: the whole token table (True) or only the tokens of these sentences
+                        ) -> dict:
     "The input token identified from its final state: a linear map fit on other sentences into the token table, then the nearest token."
     def real(states, b):
         m = b.attention_mask.bool() & ~torch.isin(b.input_ids, torch.tensor(special))
         return states[m], b.input_ids[m]
     X, ids = real(fit_states, fit); Xe, ide = real(eval_states, held)
     predict = _ridge(X, table[ids], lam)
-    cands = torch.unique(torch.cat([ids, ide]))                                      # the tokens of these sentences
-    sim = F.normalize(predict(Xe).float(), dim=-1) @ F.normalize(table[cands], dim=-1).T   # [M, C]
-    acc = float((cands[sim.argmax(1)] == ide).float().mean())
-    return {"recoverability": acc, "chance": 1 / len(cands), "candidates": len(cands), "n_read": len(ide), "bar": bar,
+    every = torch.arange(table.shape[0])
+    cands = every[~torch.isin(every, torch.tensor(list(special)))] if vocabulary else torch.unique(torch.cat([ids, ide]))
+    P, T = F.normalize(predict(Xe).float(), dim=-1), F.normalize(table[cands], dim=-1)
+    best = torch.cat([(P[i:i + 512] @ T.T).argmax(1) for i in range(0, len(P), 512)])   # [M] nearest candidate, in chunks of [512, C]
+    acc = float((cands[best] == ide).float().mean())
+    return {"recoverability": acc, "chance": 1 / len(cands), "candidates": len(cands), "n_read": len(ide), "bar": bar, "vocabulary": vocabulary,
             "verdict": "recoverable" if acc >= bar else "not recoverable"}
 
 def grid_rank(states: torch.Tensor, # [B, L, D]
@@ -311,23 +337,27 @@ def read_spectrum(read: Callable, # batch -> states [B, L, D] (e.g. lambda b: re
         pf, ph = probe_set(tokenizer, fit_items, filler, d, capacity), probe_set(tokenizer, held_items, filler, d, capacity)
         sh = read(ph.batch)
         b = binding_probe(read(pf.batch), pf, sh, ph, bar)
-        rows.append({"depth": d, **{k: b[k] for k in ("object_to_attribute", "attribute_to_object", "binding", "verdict")},
+        rows.append({"depth": d, **{k: b[k] for k in ("object_to_attribute", "attribute_to_object", "binding", "ci95", "verdict")},
                      "similarity": span_similarity(sh, ph, ref_states, ref)})
     return rows
 
 def spectrum_ends(rows: Sequence[dict], # a spectrum (read_spectrum), shallow read first
                   ratio: float = 0.8, # binding ends where it falls below ratio x the shallow read
-                  similarity_bar: float = SIMILARITY_BAR) -> dict:
-    "Where binding ends and where similarity ends on one spectrum; refuses a spectrum without the semantic gauge or with too few depths."
+                  similarity_bar: float = SIMILARITY_BAR, # the similarity gauge holds while at least this
+                  bar: float = BINDING_BAR # binding must hold at the shallow read (binding_holds) for it to end anywhere
+                 ) -> dict:
+    "Where binding ends and where similarity ends on one spectrum (binding_ends 'void' when the shallow read holds no binding); refuses a spectrum without the semantic gauge or with too few depths."
     if len(rows) < MIN_DEPTHS: raise GuardError(f"a spectrum of {len(rows)} depths: a depth claim needs at least {MIN_DEPTHS} (the depth law)")
     missing = [k for k in ("binding", "similarity") if any(k not in r for r in rows)]
     if missing: raise GuardError(f"the spectrum lacks {missing}: a depth claim needs the semantic gauge (binding) beside similarity")
     first = lambda ok: next((r["depth"] for r in rows if not ok(r)), None)
-    b_end = first(lambda r: r["binding"] >= ratio * rows[0]["binding"])
     s_end = first(lambda r: r["similarity"] >= similarity_bar)
+    out = {"similarity_ends": s_end, "shallow_binding": rows[0]["binding"], "deepest": rows[-1]["depth"]}
+    if not binding_holds(rows[0], bar):          # no binding to end: "ends at None" would read as "never ends"
+        return {"binding_ends": "void", **out, "similarity_flatters": None}
+    b_end = first(lambda r: r["binding"] >= ratio * rows[0]["binding"])
     deeper = lambda e: float("inf") if e is None else e
-    return {"binding_ends": b_end, "similarity_ends": s_end, "shallow_binding": rows[0]["binding"], "deepest": rows[-1]["depth"],
-            "similarity_flatters": deeper(s_end) > deeper(b_end)}
+    return {"binding_ends": b_end, **out, "similarity_flatters": deeper(s_end) > deeper(b_end)}
 
 # %% ../nbs/09_depth.ipynb #6b1dc37f
 def copied_positions(table: torch.Tensor, # [P, D] a trunk's learned position embeddings
@@ -424,19 +454,22 @@ def assert_disengage_exact(model: DepthModel, tokenizer, texts: Sequence[str] = 
 def depth_gate(rows: Sequence[dict], # a spectrum (read_spectrum) of the engaged model, shallow read first
                through: int, # the deepest depth the gate covers (the deepest an item fits in the target length)
                ratio: float = 0.8, # declared before training: binding >= ratio x the shallow read at every measured depth
-               bar: float = BINDING_BAR # the shallow read must itself hold binding, or the gate could not fail
+               bar: float = BINDING_BAR, # the shallow read must itself hold binding (binding_holds), or the gate could not fail
+               reference: Optional[dict] = None # the shallow read the ratio is taken of: the STOCK trunk's (None: rows[0], the model's own)
               ) -> dict:
-    "The preregistered gate: binding at or above `ratio` x the shallow-depth read at every measured depth through `through`."
+    "The preregistered gate: binding at or above `ratio` x the reference shallow read (the stock trunk's) at every measured depth through `through`."
     if rows[-1]["depth"] < through:
         raise GuardError(f"the spectrum reaches depth {rows[-1]['depth']} but the gate covers through {through}: measure to the target length")
-    shallow = rows[0]["binding"]
-    per = [{"depth": r["depth"], "binding": r["binding"], "needed": ratio * shallow, "passed": r["binding"] >= ratio * shallow}
+    ref = rows[0] if reference is None else reference
+    shallow = ref["binding"]
+    per = [{"depth": r["depth"], "binding": r["binding"], "ci95": r.get("ci95"), "needed": ratio * shallow, "passed": r["binding"] >= ratio * shallow}
            for r in rows if r["depth"] <= through]
-    if shallow < bar:
-        return {"passed": False, "verdict": f"void: the shallow read {shallow:.3f} is below the binding bar {bar} (the gate could not fail)",
+    if not binding_holds(ref, bar):
+        return {"passed": False, "void": True, "verdict": f"void: the shallow read (binding {shallow:.3f}; object->attribute {ref['object_to_attribute']:.3f}, "
+                f"attribute->object {ref['attribute_to_object']:.3f}) does not reach the binding bar {bar} both ways (the gate could not fail)",
                 "shallow": shallow, "depths": per}
     failed = [p["depth"] for p in per if not p["passed"]]
-    return {"passed": not failed, "verdict": "passed" if not failed else f"failed at depths {failed}", "shallow": shallow, "depths": per}
+    return {"passed": not failed, "void": False, "verdict": "passed" if not failed else f"failed at depths {failed}", "shallow": shallow, "depths": per}
 
 class LongInputs:
     "The batch of every step (a pure function of seed and step): long neutral filler with a training item placed at a random depth."
@@ -476,7 +509,7 @@ class TokenDistill:
 class DepthConfig:
     "The sizes of the depth study at one preset."
     name: str = "cpu"                 # the preset's name (run folder, printouts)
-    backbone_preset: str = "cpu"      # the 05_train preset of the frozen trunk (smoke: a seeded random tiny trunk, nothing trained)
+    backbone_preset: str = "cpu"      # the 05_train recipe of the frozen trunk (amoe.backbone_runs names its run; smoke: a seeded random tiny trunk)
     trained: int = 32                 # the trunk's trained position range (cpu: Flickr8k captions, 99% within 27 tokens, the longest 39)
     length: int = 512                 # the length the arm extends the trunk to (cpu: the bundled MiniLM's 512 positions)
     depths: int = 12                  # measured depths, spread from `shallow` to the deepest an item fits (>= MIN_DEPTHS)
@@ -503,7 +536,7 @@ class DepthConfig:
     @classmethod
     def published(cls, **kw):
         "The v2 trunk (trained at 256) extended to 2,304 tokens; rank 400 gives 4,926,144 adapter parameters (the card: a 5M arm)."
-        return cls(**{"name": "published", "backbone_preset": "published", "trained": 256, "length": 2304, "depths": 24, "shallow": 8,
+        return cls(**{"name": "published", "backbone_preset": "v2", "trained": 256, "length": 2304, "depths": 24, "shallow": 8,
                       "fit_items": 96, "held_items": 64, "rank": 400, "steps": 2000, "batch_size": 16, "eval_every": 500,
                       "teacher": "nomic-ai/nomic-embed-text-v1",   # chosen here: 8,192 positions and the bert-base-uncased WordPiece (checked at load)
                       "sentences": 1024, "filler_tokens": 200_000, **kw})
