@@ -8,6 +8,7 @@ import secrets
 import shutil
 import socket
 import subprocess
+import tempfile
 import sys
 import time
 import urllib.request
@@ -100,13 +101,14 @@ def test_inspector_in_a_real_browser(tmp_path):
     _notebook(tmp_path / "work" / "inspector.ipynb")
     first, second = _rows(FIRST), _rows(SECOND)
     proc, base, token = _start_lab(tmp_path)
+    short_tmp = tempfile.mkdtemp(prefix="cb-", dir="/tmp" if os.path.isdir("/tmp") else None)   # Chromium's singleton socket path must be short
     try:
         with sync_api.sync_playwright() as p:
             home = tmp_path / "home"                                  # Chromium's profile, crash reports and caches stay in tmp_path
             browser = p.chromium.launch(executable_path=exe, headless=True,
                                         args=["--no-sandbox"] if hasattr(os, "geteuid") and os.geteuid() == 0 else [],
                                         env={**os.environ, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
-                                             "XDG_CACHE_HOME": str(home / ".cache")})
+                                             "XDG_CACHE_HOME": str(home / ".cache"), "TMPDIR": short_tmp})
             page = browser.new_page(viewport={"width": 1400, "height": 1800})
             page.set_default_timeout(240_000)
             page.goto(f"{base}/lab/tree/inspector.ipynb?token={token}")
@@ -144,6 +146,7 @@ def test_inspector_in_a_real_browser(tmp_path):
             browser.close()
         assert shot.stat().st_size > 10_000, "the screenshot is (nearly) empty"
     finally:
+        shutil.rmtree(short_tmp, ignore_errors=True)
         proc.terminate()
         try: proc.wait(timeout=30)
         except subprocess.TimeoutExpired: proc.kill()
