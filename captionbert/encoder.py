@@ -153,26 +153,44 @@ def softmax_route(h: torch.Tensor, # [..., D] hidden states
 
 ROUTERS = {"sinh": signed_route, "softmax": softmax_route}   # append only: a router's position is its code in `routing_spec`
 
+def _fork_rng(device: torch.device # where the draws happen
+             ):
+    "A fork of the generator that draws on `device` (the CPU's, or that CUDA device's): the global stream is where it was after it."
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+
 class AnchoredFFN(nn.Module):
     "One always-on trunk expert + K dispatched experts (F/(K+1) wide each); expert k adds w_k * sigmoid(g_k) * E_k(x) per token."
     signature = "anchors"                                               # the state-dict key that says 'an anchored FFN's weights'
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
         D, K, E = cfg.hidden, cfg.experts, cfg.ffn_hidden // (cfg.experts + 1)
-        self.K, self.E, self.router, self.tau = K, E, cfg.router, cfg.route_tau
+        self.K, self.E, self.router, self.tau, self._dense_twin = K, E, cfg.router, cfg.route_tau, cfg
         self.names = [f"expert{k + 1}" for k in range(K)]
-        self.trunk_in, self.trunk_out = nn.Linear(D, E), nn.Linear(E, D)                # the trunk expert: normal init, always on
-        self.experts_in = nn.Parameter(torch.empty(K * E, D).normal_(0, cfg.init_std))  # all K input layers: one GEMM
+        # same seed, same init where the arms' shapes agree: this FFN draws its own tensors from a fork of the seed's stream,
+        # and the global stream then advances exactly as the dense FFN's of this config would (here and in `apply`)
+        with _fork_rng(torch.empty(0).device):
+            self.trunk_in, self.trunk_out = nn.Linear(D, E), nn.Linear(E, D)            # the trunk expert: normal init, always on
+            experts_in, anchors = torch.empty(K * E, D).normal_(0, cfg.init_std), torch.randn(K, D)
+        DenseFFN(cfg)                                                                   # the dense control's draws, discarded
+        self.experts_in = nn.Parameter(experts_in)                                      # all K input layers: one GEMM
         self.experts_in_bias = nn.Parameter(torch.zeros(K * E))
         self.experts_out = nn.Parameter(torch.zeros(D, K * E))                          # zero-born: the dispatch adds nothing
         self.experts_out_bias = nn.Parameter(torch.zeros(K, D))                         # zero-born
-        self.anchors = nn.Parameter(torch.randn(K, D))                                  # [K, D] one address a dispatched expert
+        self.anchors = nn.Parameter(anchors)                                            # [K, D] one address a dispatched expert
         self.gates = nn.Parameter(torch.full((K,), float(cfg.gate_init)))               # [K]
         self.anchors.requires_grad_(not cfg.freeze_anchors)
         self.register_buffer("anchors_birth", self.anchors.detach().clone())           # drift is measured from here
         self.register_buffer("routing_spec", torch.tensor([list(ROUTERS).index(cfg.router), int(cfg.freeze_anchors)]))
         self.on, self.record, self.last_routing, self.flags = (True,) * K, False, None, None
     routed = True
+    def apply(self, fn):
+        "nn.Module.apply, this FFN's draws from a fork; the global stream then advances as `fn` on the dense FFN of this config would."
+        dev = self.anchors.device
+        with _fork_rng(dev):
+            super().apply(fn)
+            with torch.device(dev): twin = DenseFFN(self._dense_twin)
+        twin.apply(fn)                                                  # the dense control's draws (its init), discarded
+        return self
     def forward(self, x, mask=None):                                   # x: [T, D] packed real tokens (or [B, L, D])
         self.last_routing = self.flags = self.last_input = None
         K, E = self.K, self.E
