@@ -25,8 +25,9 @@ from .encoder import CaptionEncoder
 # %% auto #0
 __all__ = ['STS_TASKS', 'TASK_NAMES', 'FAST_TASKS', 'DEV_TASKS', 'HUB_RETRY_S', 'NAMED_MODELS', 'StsTask', 'StsData',
            'read_sts_tsv', 'load_sts_task', 'sts_unavailable', 'Encoder', 'HFEncoder', 'StudentEncoder',
-           'pooled_outputs', 'minilm_encoder', 'teacher_encoder', 'load_encoder', 'evaluate', 'evaluate_views',
-           'save_results', 'load_results', 'published_results', 'results_table', 'results_figure', 'main']
+           'pooled_outputs', 'minilm_encoder', 'teacher_encoder', 'load_encoder', 'pair_spearman', 'evaluate',
+           'evaluate_views', 'save_results', 'load_results', 'published_results', 'results_table', 'results_figure',
+           'main']
 
 # %% ../nbs/02_benchmark.ipynb #60fc387a
 @dataclasses.dataclass(frozen=True)
@@ -253,6 +254,14 @@ def _embed(encode, name, unique, chunk, progress):
     if isinstance(parts[0], dict): return {k: torch.cat([p[k].detach().float().cpu() for p in parts]) for k in parts[0]}, seconds
     return torch.cat([p.detach().float().cpu() for p in parts]), seconds
 
+def pair_spearman(a, # [N, D] the first sentence of each pair
+                  b, # [N, D] the second
+                  gold # [N] gold similarity scores
+                 ) -> float:
+    "The harness's score of one STS task: Spearman of the pairs' cosine similarity against the gold scores (the one scoring rule)."
+    a, b = (F.normalize(x if torch.is_tensor(x) else torch.as_tensor(np.asarray(x)), dim=-1) for x in (a, b))   # dtype kept
+    return spearman((a * b).sum(-1).numpy(), gold)
+
 def _score(name, emb, data, geo, unique, seconds, seed, extra):
     "Spearman per task, the mean, and the geometry on STS-B sentences: one results dict."
     if emb.shape[0] != len(unique): raise ValueError(f"{name} returned {emb.shape[0]} rows for {len(unique)} sentences")
@@ -260,11 +269,9 @@ def _score(name, emb, data, geo, unique, seconds, seed, extra):
         bad = [unique[i] for i in (~torch.isfinite(emb)).any(1).nonzero().flatten()[:3].tolist()]
         raise ValueError(f"{name} produced NaN/inf embeddings, e.g. for {bad!r}")
     index = {s: i for i, s in enumerate(unique)}
+    scores = {t: pair_spearman(emb[[index[s] for s in d.sentence1]], emb[[index[s] for s in d.sentence2]], d.scores)   # normalized once, inside
+              for t, d in data.items()}
     emb = F.normalize(emb, dim=-1)
-    scores = {}
-    for t, d in data.items():
-        a = emb[[index[s] for s in d.sentence1]]; b = emb[[index[s] for s in d.sentence2]]
-        scores[t] = spearman((a * b).sum(-1).numpy(), d.scores)
     geo_name, geo_sents = geo
     g = emb[[index[s] for s in geo_sents]]
     test = [t for t in data if t in TASK_NAMES]          # the mean is over test sets only; dev tasks stand beside it

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .benchmark import Encoder, StudentEncoder, evaluate, load_sts_task
+from .benchmark import Encoder, StudentEncoder, evaluate, load_sts_task, pair_spearman
 from .core import atomic_write_json
 from .gauges import spearman
 
@@ -148,11 +148,6 @@ class MtebEncoder:
         return self._meta
 
 # %% ../nbs/01d_doors.ipynb #ff6dbbef
-def _pair_scores(a, b, gold) -> float:
-    "The harness's Spearman of the rows' cosine similarity against the gold scores."
-    a, b = (F.normalize(torch.as_tensor(np.asarray(x), dtype=torch.float32), dim=-1) for x in (a, b))
-    return spearman((a * b).sum(-1).numpy(), gold)
-
 def score_agreement(encoder, # a harness Encoder (the wrapper is built around it)
                     tasks: Sequence[str] = ("stsb",), # STS tasks to score
                     sts_dir=None, # as for benchmark.load_sts_task
@@ -164,9 +159,9 @@ def score_agreement(encoder, # a harness Encoder (the wrapper is built around it
     rows = {}
     for t in tasks:
         d = load_sts_task(t, sts_dir)   # the wrapper sees the pairs as a user's code does: both sides, repeats and all
-        row = {"harness": res["scores"][t], "mteb_wrapper": _pair_scores(w.encode(d.sentence1), w.encode(d.sentence2), d.scores)}
+        row = {"harness": res["scores"][t], "mteb_wrapper": pair_spearman(w.encode(d.sentence1), w.encode(d.sentence2), d.scores)}
         if sentence_transformer is not None:
-            row["sentence_transformers"] = _pair_scores(sentence_transformer.encode(d.sentence1), sentence_transformer.encode(d.sentence2), d.scores)
+            row["sentence_transformers"] = pair_spearman(sentence_transformer.encode(d.sentence1), sentence_transformer.encode(d.sentence2), d.scores)
         row["max_gap"] = max(abs(v - row["harness"]) for k, v in row.items() if k != "harness")
         rows[t] = row
     return rows
