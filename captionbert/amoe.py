@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .benchmark import DEV_TASKS, TASK_NAMES
-from .core import GuardError, atomic_path
+from .core import GuardError, Presets, atomic_path
 from .data import (Batch, FlickrImages, PairSet, RELATIONS, SceneGrammar, Scene, SceneObject, assert_no_held_out_text, assert_train_only, caption_pairs,
                               collate, flickr_unavailable, load_flickr_images)
 from .encoder import CaptionEncoder, EncoderConfig, n_params, set_residual_hook
@@ -430,7 +430,7 @@ PAIR_SOURCES = {"flickr": ("paraphrase", "simplification"),                 # pa
                 "hub": tuple(HUB_PAIRS)}                                     # published size: the hub pair sets of HUB_PAIRS
 
 @dataclasses.dataclass(frozen=True)
-class ArmStudyConfig:
+class ArmStudyConfig(Presets):
     "The sizes of an arm study (06's library, 07's transplant) at one preset."
     name: str = "cpu"                         # the preset's name (run directories, printouts)
     backbone_preset: str = "cpu"              # the 05_train preset of the student(s) the arms sit on
@@ -460,12 +460,7 @@ class ArmStudyConfig:
                       "steps": 2000, "batch_size": 256, "pairs": 131_072, "lr": 1e-3,  # not in the published documents: chosen here (4 epochs)
                       "key_steps": 800,                                                # the published key re-alignment: 800 steps
                       "sweep_seeds": (0, 1), "siblings": (("A", "v2", None), ("B", "v2b", None)), **kw})
-    PRESETS = ("smoke", "cpu", "published")
-    @classmethod
-    def preset(cls, name: str, **kw):
-        "A named preset: smoke, cpu or published (keyword overrides allowed)."
-        if name not in cls.PRESETS: raise ValueError(f"unknown arm-study preset {name!r}: one of {list(cls.PRESETS)}")
-        return getattr(cls, name)(**kw)
+    PRESETS, SIZE_OF = ("smoke", "cpu", "published"), "arm-study preset"   # core.Presets: preset(name) builds each by its classmethod
     def __post_init__(self):
         if self.dev_task in self.tasks: raise ValueError(f"the dev set {self.dev_task!r} cannot also be a reported test set ({self.tasks})")
         if not self.taus or not self.sweep_seeds: raise ValueError("the sweep needs at least one temperature and one seed")

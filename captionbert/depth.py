@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from .amoe import Arm, backbone_fingerprint, check_backbone
 from .benchmark import TASK_NAMES
-from .core import GuardError
+from .core import GuardError, Presets
 from .data import ATTRIBUTE_KINDS, MATERIALS, NOUNS, SIZE_WORDS, Batch, Scene, SceneGrammar, collate
 from .encoder import CaptionEncoder, LearnedPositions, set_residual_hook
 from .gauges import effective_rank
@@ -506,7 +506,7 @@ class TokenDistill:
 
 # %% ../nbs/09_depth.ipynb #4868e8a0
 @dataclasses.dataclass(frozen=True)
-class DepthConfig:
+class DepthConfig(Presets):
     "The sizes of the depth study at one preset."
     name: str = "cpu"                 # the preset's name (run folder, printouts)
     backbone_preset: str = "cpu"      # the 05_train recipe of the frozen trunk (amoe.backbone_runs names its run; smoke: a seeded random tiny trunk)
@@ -526,7 +526,7 @@ class DepthConfig:
     sentences: int = 256              # captions the recoverability and rank probes fit on (as many others are read)
     filler_tokens: int = 20_000       # neutral filler tokens drawn from the caption source
     tasks: tuple = TASK_NAMES         # where the engaged arm's capability cost is read
-    PRESETS = ("smoke", "cpu", "published")
+    PRESETS, SIZE_OF = ("smoke", "cpu", "published"), "depth preset"   # core.Presets: preset(name) builds each by its classmethod
     @classmethod
     def cpu(cls, **kw): return cls(**kw)
     @classmethod
@@ -540,11 +540,6 @@ class DepthConfig:
                       "fit_items": 96, "held_items": 64, "rank": 400, "steps": 2000, "batch_size": 16, "eval_every": 500,
                       "teacher": "nomic-ai/nomic-embed-text-v1",   # chosen here: 8,192 positions and the bert-base-uncased WordPiece (checked at load)
                       "sentences": 1024, "filler_tokens": 200_000, **kw})
-    @classmethod
-    def preset(cls, name: str, **kw):
-        "A named preset: smoke, cpu or published (keyword overrides allowed)."
-        if name not in cls.PRESETS: raise ValueError(f"unknown depth preset {name!r}: one of {list(cls.PRESETS)}")
-        return getattr(cls, name)(**kw)
     def __post_init__(self):
         if self.depths < MIN_DEPTHS: raise GuardError(f"depths={self.depths}: a depth study reads at least {MIN_DEPTHS} depths (the depth law)")
         if not 2 <= self.trained < self.length: raise ValueError(f"trained ({self.trained}) must be in [2, length={self.length})")
