@@ -24,7 +24,7 @@ from .data import Batch, LengthBucketSampler, TokenStore, collate, stratified_sa
 from .gauges import effective_rank, mimicry_r1, query_set_report, self_cosine
 
 # %% auto #0
-__all__ = ['TokenizedCorpus', 'RESUME_LOG', 'WHERE_KEYS', 'TrainConfig', 'lr_at', 'BatchPlan', 'save_weights',
+__all__ = ['TokenizedCorpus', 'RESUME_LOG', 'WHERE_KEYS', 'TrainConfig', 'lr_at', 'BatchPlan', 'param_groups', 'save_weights',
            'latest_checkpoint', 'load_checkpoint', 'config_changes', 'config_defaults', 'check_resume_config',
            'TrainResult', 'train', 'ConsensusLoss', 'frame_gap', 'frame_gap_floor', 'mimicry_line', 'ConsensusGauges',
            'resolve_targets', 'caption_source', 'training_range', 'RunRows', 'run_rows', 'assert_same_rows', 'texts_of',
@@ -60,6 +60,7 @@ class TrainConfig:
     log_every: int = 10                  # steps between TensorBoard points (metrics.jsonl gets every step)
     best_metric: str = "gauge/target_cosine"
     train_rows: Optional[int] = None     # the leading corpus rows trained on (None = every row): v2 reads the first 82% of v2-B's corpus
+    lr_scales: tuple = ()                # (parameter-name suffix, multiplier) pairs: those parameters train at lr × multiplier (a declared protocol)
 
     PRESETS = ("smoke", "cpu", "published", "v2", "v2b")   # what `preset` accepts: the size names, then the named recipes
     ALIASES = {"published": "v2"}                           # a size name -> the recipe it means here
@@ -69,6 +70,12 @@ class TrainConfig:
         own = AlignmentConfig.preset_roster(self.alignment)
         if self.roster == own: object.__setattr__(self, "roster", None)   # the alignment preset's own roster is the default, named once
         self.alignment_config()                                          # an unknown roster raises here, listing teachers.ROSTERS
+        scales = tuple((str(k), float(m)) for k, m in self.lr_scales)    # JSON/papermill give lists: one canonical form
+        for k, m in scales:
+            if not k or not math.isfinite(m) or m <= 0:
+                raise ValueError(f"lr_scales entry {(k, m)!r}: a parameter-name suffix needs a finite positive multiplier")
+        if len({k for k, _ in scales}) != len(scales): raise ValueError(f"lr_scales names a suffix twice: {scales}")
+        object.__setattr__(self, "lr_scales", scales)
     def alignment_config(self):
         "The AlignmentConfig the targets of this run are built with: the alignment preset, on this run's roster."
         from captionbert.alignment import AlignmentConfig
@@ -140,6 +147,23 @@ def _set_rng_state(s: dict):
 from .teachers import dist_world as _world   # the one (rank, world size) helper: teachers.dist_world
 
 def _unwrap(model): return model.module if hasattr(model, "module") else model
+
+def param_groups(model: torch.nn.Module, # the model being trained
+                 cfg: TrainConfig # its recipe: lr and lr_scales
+                ) -> list:
+    "Adam's parameter groups: the recipe's lr for every trainable parameter, lr × m for those named by a suffix of cfg.lr_scales."
+    named = [(n, p) for n, p in _unwrap(model).named_parameters()]
+    rest = {n: p for n, p in named if p.requires_grad}
+    if not rest: raise ValueError("the model has no trainable parameters")
+    scaled = []
+    for suffix, m in cfg.lr_scales:
+        hit = [n for n, _ in named if n == suffix or n.endswith("." + suffix)]
+        if not hit: raise ValueError(f"lr_scales names {suffix!r}, which matches no parameter of {type(_unwrap(model)).__name__} "
+                                     f"(its names end e.g. {sorted({n.rsplit('.', 1)[-1] for n, _ in named})[:8]})")
+        ps = [rest.pop(n) for n in hit if n in rest]            # frozen ones (e.g. anchors frozen at birth) stay frozen
+        if ps: scaled.append({"params": ps, "lr": cfg.lr * m, "name": suffix})
+    groups = [{"params": list(rest.values()), "lr": cfg.lr, "name": "recipe"}] + scaled
+    return [g for g in groups if g["params"]]
 
 def save_weights(model, path, run: RunDir, kind: str, metadata: dict | None = None) -> Path:
     "Model weights as safetensors, written atomically and recorded in the run's manifest."
@@ -239,9 +263,8 @@ def train(model: torch.nn.Module, # the model (its parameters that require grad 
     precision = pick_precision(device, cfg.precision)
     run_config = to_jsonable({**(config or {}), "train": cfg})
     model.to(device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params: raise ValueError("the model has no trainable parameters")
-    opt = torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda")
+    opt = torch.optim.Adam(param_groups(model, cfg), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda")
+    params = [p for g in opt.param_groups for p in g["params"]]   # every trained parameter, for clipping
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, cfg) / cfg.lr)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     start, best = 0, None
