@@ -166,8 +166,13 @@ def param_groups(model: torch.nn.Module, # the model being trained
     return [g for g in groups if g["params"]]
 
 def save_weights(model, path, run: RunDir, kind: str, metadata: dict | None = None) -> Path:
-    "Model weights as safetensors, written atomically and recorded in the run's manifest."
-    state = {k: v.detach().cpu().contiguous() for k, v in _unwrap(model).state_dict().items()}
+    "Model weights as safetensors, written atomically and recorded in the run's manifest (tied weights written once per name)."
+    state, seen = {}, set()
+    for k, v in _unwrap(model).state_dict().items():
+        t = v.detach().cpu().contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        state[k] = t.clone() if ptr in seen else t    # safetensors refuses shared memory: a tied copy (an LM's head) is stored as its own
+        seen.add(ptr)
     with atomic_path(path) as tmp: save_file(state, str(tmp), metadata={k: str(v) for k, v in (metadata or {}).items()})
     run.record(path, kind); return Path(path)
 
