@@ -647,7 +647,7 @@ def position_reach(lengths, # every corpus row's token length ([CLS] and [SEP] i
     return {"trained": int(L.max()), "p50": float(np.median(L)), "p99": p99, "rows": int(len(L)), "rows_past_p99": int((L > p99).sum())}
 
 def trained_range(run_dir, # a finished 05_train run: its config.json names its corpus, its rows and its ceiling
-                  targets=None, # the targets folder it trained on; None: the one its config names, else runs/consensus-<its alignment>
+                  targets=None, # the targets folder it trained on; None: the one its config names, else consensus-<its alignment> beside the run or in runs/
                   tokenizer=None) -> dict:
     "The trunk's trained position range, measured on the rows it trained on (checked by their sha256 against its config), at its max_tokens."
     from captionbert.consensus import load_targets
@@ -656,7 +656,8 @@ def trained_range(run_dir, # a finished 05_train run: its config.json names its 
     from captionbert.train import TrainConfig, caption_source, run_rows
     run_dir = Path(run_dir); conf = json.loads((run_dir / "config.json").read_text())
     tc, corpus = TrainConfig(**conf["train"]), conf["corpus"]
-    cands = [Path(targets)] if targets else [Path(conf["targets"]), runs_dir(f"consensus-{tc.alignment_config().label}")]
+    label = f"consensus-{tc.alignment_config().label}"                          # where 05_train builds them ("auto")
+    cands = [Path(targets)] if targets else [Path(conf["targets"]), run_dir.parent / label, runs_dir(label)]   # beside the trunk, then this checkout
     tg = None
     for c in cands:
         if (c / "targets.json").exists() and (t := load_targets(c, expect_frame=conf["frame"])).fingerprint == corpus["targets_fingerprint"]: tg = t; break
