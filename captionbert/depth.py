@@ -24,13 +24,14 @@ from .encoder import CaptionEncoder, LearnedPositions, set_residual_hook
 from .gauges import effective_rank
 
 # %% auto #0
-__all__ = ['GRAMMAR_WORDS', 'NEUTRAL_WORDS', 'BINDING_BAR', 'RECOVERY_BAR', 'RANK_BAR', 'MIN_DEPTHS', 'SIMILARITY_BAR',
-           'BindingItem', 'binding_items', 'scene_reads', 'neutral_captions', 'filler_stream', 'place', 'ProbeSet',
-           'probe_set', 'read_states', 'BagOfWords', 'PositionOnly', 'shuffled_states', 'binding_holds', 'wilson95',
-           'binding_probe', 'token_table', 'token_recoverability', 'grid_rank', 'rank_verdict', 'span_similarity',
-           'spectrum_depths', 'read_spectrum', 'spectrum_ends', 'copied_positions', 'ExtendedPositions', 'DepthArm',
-           'DepthModel', 'assert_disengage_exact', 'depth_gate', 'LongInputs', 'TokenDistill', 'DepthConfig',
-           'load_teacher', 'train_depth_arm']
+__all__ = ['GRAMMAR_WORDS', 'NEUTRAL_WORDS', 'BINDING_BAR', 'RECOVERY_BAR', 'RANK_BAR', 'MIN_DEPTHS', 'SIMILARITY_BAR', 'CHANCE',
+           'MIN_BAND', 'BindingItem', 'binding_items', 'scene_reads', 'neutral_captions', 'filler_stream', 'place',
+           'ProbeSet', 'probe_set', 'read_states', 'BagOfWords', 'PositionOnly', 'shuffled_states', 'binding_holds',
+           'wilson95', 'binding_probe', 'token_table', 'token_recoverability', 'grid_rank', 'rank_verdict',
+           'span_similarity', 'model_capacity', 'copied_rows', 'seam_positions', 'above_chance', 'DepthPlan',
+           'spectrum_depths', 'read_spectrum', 'band_read', 'spectrum_ends', 'copied_positions', 'ExtendedPositions',
+           'DepthArm', 'DepthModel', 'assert_disengage_exact', 'depth_gate', 'LongInputs', 'TokenDistill',
+           'DepthConfig', 'position_reach', 'trained_range', 'load_teacher', 'train_depth_arm']
 
 # %% ../nbs/09_depth.ipynb #f954ab7a
 @dataclasses.dataclass(frozen=True)
@@ -300,6 +301,8 @@ def rank_verdict(bare: float, other: float, # grid ranks of the bare trunk and o
 # %% ../nbs/09_depth.ipynb #c774da60
 MIN_DEPTHS = 8          # the depth law: a depth claim reads many depths spread across the range, never two or three points
 SIMILARITY_BAR = 0.8    # declared before any read: the span similarity gauge "holds" while its cosine to the shallow read is at least this
+CHANCE = 0.5            # the binding probe's chance (a two-way choice): every ratio of binding reads is taken above it
+MIN_BAND = 2            # the shallow reference is a band of at least this many depths, averaged, never one point
 
 def span_similarity(states: torch.Tensor, ps: ProbeSet, # states of items placed at some depth
                     shallow_states: torch.Tensor, shallow: ProbeSet # the same items placed at the shallow depth
@@ -313,23 +316,89 @@ def span_similarity(states: torch.Tensor, ps: ProbeSet, # states of items placed
         cos.append(F.cosine_similarity(states[r, a0:a1], shallow_states[r, b0:b1], dim=-1))
     return float(torch.cat(cos).mean())
 
-def spectrum_depths(capacity: int, # the model's positions (engaged: the arm's length)
+def model_capacity(model) -> int:
+    "The positions a model can read, from the model object: a depth model's (engaged: its arm's length), a trunk's position table, a transformers model's."
+    if hasattr(model, "capacity"): return int(model.capacity)                            # DepthModel
+    pos = getattr(model, "positions", None)
+    if isinstance(pos, torch.Tensor): return int(pos.shape[0])                           # PositionOnly: its table
+    if pos is not None and hasattr(pos, "max_positions"): return int(pos.max_positions)  # CaptionEncoder: its position module
+    emb = getattr(getattr(model, "embeddings", None), "position_embeddings", None)
+    if isinstance(emb, nn.Embedding):                                                     # transformers BERT-likes: the table's rows
+        return emb.num_embeddings - (0 if emb.padding_idx is None else emb.padding_idx + 1)   # RoBERTa-likes count from past the pad row
+    cfg = getattr(model, "config", None)
+    for k in ("max_positions", "max_position_embeddings", "n_positions"):
+        if getattr(cfg, k, None): return int(getattr(cfg, k))
+    raise TypeError(f"cannot read how many positions a {type(model).__name__} holds (no capacity, position table or config): give it a `capacity` property")
+
+def copied_rows(trained: int, # positions 0..trained-1 are the trained ones
+                length: int # rows of the extended table
+               ) -> torch.Tensor:
+    "The row of the trained table each extended position copies: itself below `trained`, then 1 + (p - 1) mod (trained - 1) ([CLS]'s row 0 is not tiled)."
+    if trained < 2: raise ValueError(f"trained must be at least 2 (row 0 is [CLS]'s, never tiled), got {trained}")
+    p = torch.arange(length)
+    return torch.where(p < trained, p, 1 + (p - 1) % (trained - 1))
+
+def seam_positions(trained: int, length: int) -> list[int]:
+    "The positions where the copied table restarts its tiling (the first is the trained ceiling itself): the seams of copied_rows."
+    r = copied_rows(trained, length)
+    return [int(p) for p in torch.nonzero(r[1:] < r[:-1]).squeeze(1) + 1]
+
+def above_chance(read: float, # a binding read
+                 reference: float, # the reference (shallow band) read
+                 chance: float = CHANCE) -> float:
+    "(read - chance) / (reference - chance): the share of the reference's binding above chance a read keeps (a raw ratio of reads near .5 means nothing)."
+    if reference <= chance: raise ValueError(f"the reference read {reference:.3f} is not above chance {chance}: a ratio of binding above chance is void")
+    return (read - chance) / (reference - chance)
+
+@dataclasses.dataclass(frozen=True)
+class DepthPlan:
+    "Where a spectrum reads: the shallow band (the reference), depths spread to the deepest every model can place, and the copied table's seams and just past them."
+    band: tuple            # shallow depths with the whole item inside the trained range, averaged into the reference read
+    spread: tuple          # depths spread evenly from the first band depth to the deepest an item fits at `capacity`
+    seams: tuple           # depths at sampled seams (seam_positions) and `past` tokens beyond each
+    capacity: int          # the smallest capacity of the models read: every depth fits every model
+    limited_by: str        # the model whose capacity that is
+    trained: int           # the trunk's trained range the band and the seams are taken of
+    all_seams: tuple = ()  # every seam an item fits at (the plotted ones; `seams` reads a sample)
+    @property
+    def depths(self) -> list[int]: return sorted(set(self.band) | set(self.spread) | set(self.seams))
+    def kind(self, d: int) -> str: return "band" if d in self.band else "seam" if d in self.seams else "spread"
+    def __repr__(self):
+        return (f"DepthPlan({len(self.depths)} depths to {self.depths[-1]} (capacity {self.capacity}, {self.limited_by}): band {list(self.band)}, "
+                f"seams {list(self.seams)}, spread {list(self.spread)})")
+
+def spectrum_depths(capacities: dict, # model name -> its capacity (model_capacity): every depth must fit each
                     longest_item: int, # tokens of the longest probe item
-                    n: int, # depths wanted (at least MIN_DEPTHS)
-                    shallow: int = 1 # the shallowest depth (the reference read)
-                   ) -> list[int]:
-    "n depths spread evenly from `shallow` to the deepest an item fits; fewer than MIN_DEPTHS is refused (the depth law)."
+                    n: int, # depths spread across the range (at least MIN_DEPTHS)
+                    trained: int, # the trunk's trained range: the band lies inside it, the seams are its tiling's
+                    band: int = 4, # shallow depths averaged into the reference (at least MIN_BAND)
+                    seams: int = 6, # seams read (spread over every seam an item fits at; all when fewer)
+                    past: int = 1 # a seam is also read this many tokens past it
+                   ) -> DepthPlan:
+    "The depths of a spectrum: a shallow band, n spread depths and sampled seams (aligned and just past), all inside every model's capacity; fewer than MIN_DEPTHS refused."
     if n < MIN_DEPTHS:
         raise GuardError(f"{n} depths asked for: a depth claim needs spectrum sampling, at least {MIN_DEPTHS} depths spread across the range "
                          "(similarity plateaus flatter than binding; a few points miss where binding ends)")
-    deepest = capacity - longest_item - 1
-    if deepest <= shallow: raise ValueError(f"an item of {longest_item} tokens does not fit deeper than {deepest} in {capacity} positions")
-    return sorted({int(round(x)) for x in np.linspace(shallow, deepest, n)})
+    if band < MIN_BAND: raise GuardError(f"a shallow band of {band} depth(s): the reference averages at least {MIN_BAND} shallow depths, never one point")
+    if not capacities: raise ValueError("no capacities given: name every model the spectrum reads with its capacity (model_capacity)")
+    limited_by, capacity = min(capacities.items(), key=lambda kv: kv[1])
+    deepest, band_end = capacity - longest_item - 1, min(trained, capacity) - longest_item - 1   # [CLS] at 0, [SEP] after the item
+    if band_end < band:
+        raise ValueError(f"a trained range of {trained} positions holds an item of {longest_item} tokens (with [CLS] and [SEP]) at depths 1..{band_end} "
+                         f"only, too few for a band of {band}: use shorter probe items, a smaller band, or a trunk trained longer")
+    if deepest <= band_end:
+        raise ValueError(f"{limited_by} holds {capacity} positions: an item of {longest_item} tokens fits no deeper than {deepest}, inside the trained range")
+    even = lambda lo, hi, k: tuple(sorted({int(round(x)) for x in np.linspace(lo, hi, k)}))
+    fits = [s for s in seam_positions(trained, capacity) if s + past <= deepest]
+    pick = fits if len(fits) <= seams else [fits[i] for i in sorted({int(round(x)) for x in np.linspace(0, len(fits) - 1, seams)})]
+    return DepthPlan(even(1, band_end, band), even(1, deepest, n), tuple(sorted({d for s in pick for d in (s, s + past)})), capacity, limited_by,
+                     trained, tuple(fits))
 
 def read_spectrum(read: Callable, # batch -> states [B, L, D] (e.g. lambda b: read_states(model, b))
                   tokenizer, fit_items: Sequence[BindingItem], held_items: Sequence[BindingItem], filler: Sequence[int],
-                  depths: Sequence[int], # depths[0] is the shallow reference
-                  capacity: int, bar: float = BINDING_BAR) -> list[dict]:
+                  depths: Sequence[int], # depths[0] is the similarity gauge's reference (the shallowest)
+                  capacity: int, # the model's own positions (model_capacity)
+                  bar: float = BINDING_BAR) -> list[dict]:
     "Binding (both directions, on held-out items) and the similarity gauge at every depth: one model's spectrum."
     ref = probe_set(tokenizer, held_items, filler, depths[0], capacity)
     ref_states, rows = read(ref.batch), []
@@ -337,25 +406,40 @@ def read_spectrum(read: Callable, # batch -> states [B, L, D] (e.g. lambda b: re
         pf, ph = probe_set(tokenizer, fit_items, filler, d, capacity), probe_set(tokenizer, held_items, filler, d, capacity)
         sh = read(ph.batch)
         b = binding_probe(read(pf.batch), pf, sh, ph, bar)
-        rows.append({"depth": d, **{k: b[k] for k in ("object_to_attribute", "attribute_to_object", "binding", "ci95", "verdict")},
+        rows.append({"depth": d, **{k: b[k] for k in ("object_to_attribute", "attribute_to_object", "binding", "ci95", "verdict", "n_read")},
                      "similarity": span_similarity(sh, ph, ref_states, ref)})
     return rows
 
-def spectrum_ends(rows: Sequence[dict], # a spectrum (read_spectrum), shallow read first
-                  ratio: float = 0.8, # binding ends where it falls below ratio x the shallow read
+def band_read(rows: Sequence[dict], # a spectrum (read_spectrum)
+              band: Sequence[int], # the shallow band's depths (DepthPlan.band)
+              bar: float = BINDING_BAR) -> dict:
+    "The reference read: each direction averaged over the shallow band's depths (several shallow reads, never one point)."
+    if len(band) < MIN_BAND: raise GuardError(f"a shallow band of {len(band)} depth(s): the reference averages at least {MIN_BAND}, never one point")
+    at = {r["depth"]: r for r in rows}
+    missing = [d for d in band if d not in at]
+    if missing: raise ValueError(f"the spectrum has no read at band depths {missing}: read the plan's depths (DepthPlan.depths)")
+    out = {k: float(np.mean([at[d][k] for d in band])) for k in ("object_to_attribute", "attribute_to_object")}
+    out["binding"] = (out["object_to_attribute"] + out["attribute_to_object"]) / 2
+    n = sum(at[d].get("n_read", 0) for d in band)
+    return {"depth": tuple(band), **out, "ci95": wilson95(out["binding"], 2 * n) if n else None, "n_read": n,
+            "verdict": "holds" if binding_holds(out, bar) else "fails"}
+
+def spectrum_ends(rows: Sequence[dict], # a spectrum (read_spectrum), shallowest read first
+                  reference: dict, # the shallow band's read (band_read) binding is measured against
+                  ratio: float = 0.8, # binding ends where it keeps less than this share of the reference's binding above chance
                   similarity_bar: float = SIMILARITY_BAR, # the similarity gauge holds while at least this
-                  bar: float = BINDING_BAR # binding must hold at the shallow read (binding_holds) for it to end anywhere
+                  bar: float = BINDING_BAR # binding must hold in the reference (binding_holds) for it to end anywhere
                  ) -> dict:
-    "Where binding ends and where similarity ends on one spectrum (binding_ends 'void' when the shallow read holds no binding); refuses a spectrum without the semantic gauge or with too few depths."
+    "Where binding ends (above_chance below `ratio`) and where similarity ends on one spectrum ('void' when the band holds no binding); refuses a spectrum without the semantic gauge or with too few depths."
     if len(rows) < MIN_DEPTHS: raise GuardError(f"a spectrum of {len(rows)} depths: a depth claim needs at least {MIN_DEPTHS} (the depth law)")
     missing = [k for k in ("binding", "similarity") if any(k not in r for r in rows)]
     if missing: raise GuardError(f"the spectrum lacks {missing}: a depth claim needs the semantic gauge (binding) beside similarity")
     first = lambda ok: next((r["depth"] for r in rows if not ok(r)), None)
     s_end = first(lambda r: r["similarity"] >= similarity_bar)
-    out = {"similarity_ends": s_end, "shallow_binding": rows[0]["binding"], "deepest": rows[-1]["depth"]}
-    if not binding_holds(rows[0], bar):          # no binding to end: "ends at None" would read as "never ends"
+    out = {"similarity_ends": s_end, "shallow_binding": reference["binding"], "deepest": rows[-1]["depth"]}
+    if not binding_holds(reference, bar):        # no binding to end: "ends at None" would read as "never ends"
         return {"binding_ends": "void", **out, "similarity_flatters": None}
-    b_end = first(lambda r: r["binding"] >= ratio * rows[0]["binding"])
+    b_end = first(lambda r: above_chance(r["binding"], reference["binding"]) >= ratio)
     deeper = lambda e: float("inf") if e is None else e
     return {"binding_ends": b_end, **out, "similarity_flatters": deeper(s_end) > deeper(b_end)}
 
@@ -366,8 +450,7 @@ def copied_positions(table: torch.Tensor, # [P, D] a trunk's learned position em
                     ) -> torch.Tensor:
     "Rows below `trained` kept; each later row p copies row 1 + (p - 1) mod (trained - 1) ([CLS]'s row 0 is not tiled): [length, D]."
     if not 2 <= trained <= table.shape[0]: raise ValueError(f"trained must be in [2, {table.shape[0]}] (the table's rows), got {trained}")
-    p = torch.arange(length)
-    return table.detach()[torch.where(p < trained, p, 1 + (p - 1) % (trained - 1))].clone()
+    return table.detach()[copied_rows(trained, length)].clone()
 
 class ExtendedPositions(nn.Module):
     "Learned positions read from a given table (the depth arm's), installed in a trunk for one call."
@@ -451,25 +534,26 @@ def assert_disengage_exact(model: DepthModel, tokenizer, texts: Sequence[str] = 
     finally: model.engaged = was
 
 # %% ../nbs/09_depth.ipynb #c38905d5
-def depth_gate(rows: Sequence[dict], # a spectrum (read_spectrum) of the engaged model, shallow read first
+def depth_gate(rows: Sequence[dict], # a spectrum (read_spectrum) of the engaged model
                through: int, # the deepest depth the gate covers (the deepest an item fits in the target length)
-               ratio: float = 0.8, # declared before training: binding >= ratio x the shallow read at every measured depth
-               bar: float = BINDING_BAR, # the shallow read must itself hold binding (binding_holds), or the gate could not fail
-               reference: Optional[dict] = None # the shallow read the ratio is taken of: the STOCK trunk's (None: rows[0], the model's own)
-              ) -> dict:
-    "The preregistered gate: binding at or above `ratio` x the reference shallow read (the stock trunk's) at every measured depth through `through`."
+               reference: dict, # the STOCK trunk's shallow band read (band_read): the gate's reference, declared with it
+               ratio: float = 0.8, # declared before training: binding keeps >= ratio of the band's binding above chance at every measured depth
+               bar: float = BINDING_BAR, # the band must itself hold binding (binding_holds), or the gate could not fail
+               chance: float = CHANCE) -> dict:
+    "The preregistered gate: (binding - chance) / (band - chance) >= `ratio` at every measured depth through `through`, the band being the stock trunk's."
     if rows[-1]["depth"] < through:
         raise GuardError(f"the spectrum reaches depth {rows[-1]['depth']} but the gate covers through {through}: measure to the target length")
-    ref = rows[0] if reference is None else reference
-    shallow = ref["binding"]
-    per = [{"depth": r["depth"], "binding": r["binding"], "ci95": r.get("ci95"), "needed": ratio * shallow, "passed": r["binding"] >= ratio * shallow}
-           for r in rows if r["depth"] <= through]
-    if not binding_holds(ref, bar):
-        return {"passed": False, "void": True, "verdict": f"void: the shallow read (binding {shallow:.3f}; object->attribute {ref['object_to_attribute']:.3f}, "
-                f"attribute->object {ref['attribute_to_object']:.3f}) does not reach the binding bar {bar} both ways (the gate could not fail)",
-                "shallow": shallow, "depths": per}
+    shallow = reference["binding"]
+    needed = chance + ratio * (shallow - chance)                                  # the binding read that keeps `ratio` of the band above chance
+    per = [{"depth": r["depth"], "binding": r["binding"], "ci95": r.get("ci95"), "needed": needed, "passed": r["binding"] >= needed,
+            "above_chance": above_chance(r["binding"], shallow, chance) if shallow > chance else None} for r in rows if r["depth"] <= through]
+    if not binding_holds(reference, bar):
+        return {"passed": False, "void": True, "verdict": f"void: the band read (binding {shallow:.3f}; object->attribute {reference['object_to_attribute']:.3f}, "
+                f"attribute->object {reference['attribute_to_object']:.3f}) does not reach the binding bar {bar} both ways (the gate could not fail)",
+                "shallow": shallow, "needed": needed, "depths": per}
     failed = [p["depth"] for p in per if not p["passed"]]
-    return {"passed": not failed, "void": False, "verdict": "passed" if not failed else f"failed at depths {failed}", "shallow": shallow, "depths": per}
+    return {"passed": not failed, "void": False, "verdict": "passed" if not failed else f"failed at depths {failed}", "shallow": shallow,
+            "needed": needed, "depths": per}
 
 class LongInputs:
     "The batch of every step (a pure function of seed and step): long neutral filler with a training item placed at a random depth."
@@ -510,10 +594,12 @@ class DepthConfig(Presets):
     "The sizes of the depth study at one preset."
     name: str = "cpu"                 # the preset's name (run folder, printouts)
     backbone_preset: str = "cpu"      # the 05_train recipe of the frozen trunk (amoe.backbone_runs names its run; smoke: a seeded random tiny trunk)
-    trained: int = 32                 # the trunk's trained position range (cpu: Flickr8k captions, 99% within 27 tokens, the longest 39)
+    trained: Optional[int] = None     # the trunk's trained position range; None: measured from its run (trained_range); smoke declares it
     length: int = 512                 # the length the arm extends the trunk to (cpu: the bundled MiniLM's 512 positions)
-    depths: int = 12                  # measured depths, spread from `shallow` to the deepest an item fits (>= MIN_DEPTHS)
-    shallow: int = 2                  # the reference depth every read is compared with
+    depths: int = 10                  # depths spread from 1 to the deepest an item fits at every model's capacity (>= MIN_DEPTHS)
+    band: int = 4                     # the shallow band: depths with the item inside the trained range, averaged into the reference
+    seams: int = 6                    # seams of the copied table read (aligned and `seam_past` beyond), spread over all of them
+    seam_past: int = 1                # tokens past a seam of its second read
     fit_items: int = 48               # minimal pairs the binding probe is fit on, at each depth
     held_items: int = 32              # held-out minimal pairs it is read on
     rank: int = 32                    # the adapters' bottleneck rank
@@ -522,7 +608,7 @@ class DepthConfig(Presets):
     lr: float = 1e-3
     eval_every: int = 50              # steps between spectrum reads during training (the repair arc)
     teacher: str = "bundled"          # the long-context teacher: "bundled" = all-MiniLM-L6-v2 (512 positions), or a hub id sharing the WordPiece
-    gate_ratio: float = 0.8           # the gate, declared before training: binding >= ratio x the shallow read at every measured depth
+    gate_ratio: float = 0.8           # the gate, declared before training: (binding - .5) / (band - .5) >= ratio at every measured depth
     sentences: int = 256              # captions the recoverability and rank probes fit on (as many others are read)
     filler_tokens: int = 20_000       # neutral filler tokens drawn from the caption source
     tasks: tuple = TASK_NAMES         # where the engaged arm's capability cost is read
@@ -530,25 +616,61 @@ class DepthConfig(Presets):
     @classmethod
     def cpu(cls, **kw): return cls(**kw)
     @classmethod
-    def smoke(cls, **kw): return cls(**{"name": "smoke", "backbone_preset": "smoke", "trained": 16, "length": 96, "depths": 8, "fit_items": 8,
+    def smoke(cls, **kw): return cls(**{"name": "smoke", "backbone_preset": "smoke", "trained": 32, "length": 96, "depths": 8, "fit_items": 8,
                                        "held_items": 6, "rank": 4, "steps": 4, "batch_size": 2, "eval_every": 2, "sentences": 32,
                                        "filler_tokens": 3000, "tasks": ("biosses",), **kw})
     @classmethod
     def published(cls, **kw):
-        "The v2 trunk (trained at 256) extended to 2,304 tokens; rank 400 gives 4,926,144 adapter parameters (the card: a 5M arm)."
-        return cls(**{"name": "published", "backbone_preset": "v2", "trained": 256, "length": 2304, "depths": 24, "shallow": 8,
+        "The v2 trunk (max_tokens 256; its range measured by trained_range) extended to 2,304 tokens; rank 400 gives 4,926,144 adapter parameters (the card: a 5M arm)."
+        return cls(**{"name": "published", "backbone_preset": "v2", "length": 2304, "depths": 24, "band": 6, "seams": 8,
                       "fit_items": 96, "held_items": 64, "rank": 400, "steps": 2000, "batch_size": 16, "eval_every": 500,
                       "teacher": "nomic-ai/nomic-embed-text-v1",   # chosen here: 8,192 positions and the bert-base-uncased WordPiece (checked at load)
                       "sentences": 1024, "filler_tokens": 200_000, **kw})
     def __post_init__(self):
         if self.depths < MIN_DEPTHS: raise GuardError(f"depths={self.depths}: a depth study reads at least {MIN_DEPTHS} depths (the depth law)")
-        if not 2 <= self.trained < self.length: raise ValueError(f"trained ({self.trained}) must be in [2, length={self.length})")
+        if self.trained is not None and not 2 <= self.trained < self.length:
+            raise ValueError(f"trained ({self.trained}) must be in [2, length={self.length})")
     def train_config(self):
         "The TrainConfig of the arm's distillation on the workbook's one loop."
         from captionbert.train import TrainConfig
         return TrainConfig(name=f"depth-{self.name}", batch_size=self.batch_size, max_steps=self.steps, lr=self.lr,
                            warmup_steps=max(1, self.steps // 10), eval_every=self.eval_every, ckpt_every_steps=10**9,
                            log_every=10, max_tokens=self.length, best_metric="none")
+
+def position_reach(lengths, # every corpus row's token length ([CLS] and [SEP] included)
+                   rows # the rows a trunk trained on
+                  ) -> dict:
+    "How far a trunk's training rows reach: the longest (positions 0..longest-1 were trained), the median and 99th percentile."
+    L = np.asarray(lengths)[np.asarray(rows)]
+    if not len(L): raise ValueError("no training rows: a trunk's trained range is measured on the rows it trained on")
+    p99 = float(np.percentile(L, 99))
+    return {"trained": int(L.max()), "p50": float(np.median(L)), "p99": p99, "rows": int(len(L)), "rows_past_p99": int((L > p99).sum())}
+
+def trained_range(run_dir, # a finished 05_train run: its config.json names its corpus, its rows and its ceiling
+                  targets=None, # the targets folder it trained on; None: the one its config names, else consensus-<its alignment> beside the run or in runs/
+                  tokenizer=None) -> dict:
+    "The trunk's trained position range, measured on the rows it trained on (checked by their sha256 against its config), at its max_tokens."
+    from captionbert.consensus import load_targets
+    from captionbert.core import sha256_bytes
+    from captionbert.data import load_tokenizer, runs_dir, token_store
+    from captionbert.train import TrainConfig, caption_source, run_rows
+    run_dir = Path(run_dir); conf = json.loads((run_dir / "config.json").read_text())
+    tc, corpus = TrainConfig(**conf["train"]), conf["corpus"]
+    label = f"consensus-{tc.alignment_config().label}"                          # where 05_train builds them ("auto")
+    cands = [Path(targets)] if targets else [Path(conf["targets"]), run_dir.parent / label, runs_dir(label)]   # beside the trunk, then this checkout
+    tg = None
+    for c in cands:
+        if (c / "targets.json").exists() and (t := load_targets(c, expect_frame=conf["frame"])).fingerprint == corpus["targets_fingerprint"]: tg = t; break
+    if tg is None:
+        raise GuardError(f"cannot measure the trained range of {run_dir}: its targets {corpus['targets_fingerprint'][:12]} are in none of "
+                         f"{[str(c) for c in cands]}; pass targets= (the folder it trained on), or declare DepthConfig(trained=...)")
+    store = token_store(caption_source(tg), tokenizer or load_tokenizer(), tc.max_tokens, progress=False)
+    rows = run_rows(tc, len(store), conf["seed"], corpus.get("data_fraction", 1.0), store.lengths).train
+    if sha256_bytes(rows.astype(np.int64).tobytes()) != corpus["train_rows_sha256"]:
+        raise GuardError(f"the rows rebuilt for {run_dir} are not the rows it trained on (train_rows_sha256 differs): its recipe or data changed "
+                         "since; declare DepthConfig(trained=...) from what it saw")
+    return {**position_reach(store.lengths, rows), "max_tokens": tc.max_tokens, "targets": str(tg.folder),
+            "source": f"the longest of the {len(rows)} rows {run_dir.name} trained on (sha256-checked), [CLS] and [SEP] included, at max_tokens {tc.max_tokens}"}
 
 def load_teacher(name: str, # "bundled" (all-MiniLM-L6-v2) or a hub id
                  tokenizer, # the trunk's tokenizer: token-level distillation needs the teacher to cut text the same way

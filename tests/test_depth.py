@@ -3,8 +3,9 @@ import pytest
 import torch
 
 from captionbert.core import GuardError
-from captionbert.depth import (BagOfWords, DepthConfig, binding_holds, binding_items, binding_probe, copied_positions, depth_gate,
-                               place, probe_set, spectrum_depths, spectrum_ends, wilson95)
+from captionbert.depth import (BagOfWords, DepthConfig, above_chance, band_read, binding_holds, binding_items, binding_probe, copied_positions,
+                               copied_rows, depth_gate, model_capacity, place, position_reach, probe_set, seam_positions, spectrum_depths,
+                               spectrum_ends, trained_range, wilson95)
 
 
 class _Tok:
@@ -39,11 +40,12 @@ def test_bag_of_words_sits_exactly_at_chance():
 
 
 def test_depth_claims_need_a_spectrum():
-    with pytest.raises(GuardError, match="at least 8 depths"): spectrum_depths(512, 14, 3)
+    with pytest.raises(GuardError, match="at least 8 depths"): spectrum_depths({"trunk": 512}, 14, 3, trained=40)
     rows = [{"depth": d, "binding": 0.9, "object_to_attribute": 0.9, "attribute_to_object": 0.9, "similarity": 0.9} for d in range(8)]
-    with pytest.raises(GuardError, match="semantic gauge"): spectrum_ends([{"depth": r["depth"], "similarity": 1.0} for r in rows])
-    assert depth_gate(rows, 7)["passed"]
-    with pytest.raises(GuardError, match="reaches depth 7 but the gate covers through 9"): depth_gate(rows, 9)
+    ref = band_read(rows, [0, 1])
+    with pytest.raises(GuardError, match="semantic gauge"): spectrum_ends([{"depth": r["depth"], "similarity": 1.0} for r in rows], ref)
+    assert depth_gate(rows, 7, ref)["passed"]
+    with pytest.raises(GuardError, match="reaches depth 7 but the gate covers through 9"): depth_gate(rows, 9, ref)
 
 
 def _spectrum(o2a, a2o, n=8):
@@ -52,21 +54,23 @@ def _spectrum(o2a, a2o, n=8):
 
 
 def test_no_binding_at_the_shallow_depth_is_void_not_none():
-    e = spectrum_ends(_spectrum(0.49, 0.55))
+    rows = _spectrum(0.49, 0.55)
+    e = spectrum_ends(rows, band_read(rows, [2, 12]))
     assert (e["binding_ends"], e["similarity_flatters"]) == ("void", None)
-    assert spectrum_ends(_spectrum(0.9, 0.9))["binding_ends"] is None        # binding held everywhere: it does not end
+    held = _spectrum(0.9, 0.9)
+    assert spectrum_ends(held, band_read(held, [2, 12]))["binding_ends"] is None        # binding held everywhere: it does not end
 
 
 def test_binding_holds_is_both_directions_everywhere():
     rows = _spectrum(0.97, 0.55)                                            # mean 0.76 >= 0.75, one direction at chance
     assert not binding_holds(rows[0])
-    assert depth_gate(rows, rows[-1]["depth"])["void"]
-    assert spectrum_ends(rows)["binding_ends"] == "void"
+    assert depth_gate(rows, rows[-1]["depth"], band_read(rows, [2, 12]))["void"]
+    assert spectrum_ends(rows, band_read(rows, [2, 12]))["binding_ends"] == "void"
 
 
 def test_the_gate_is_taken_of_the_stock_shallow_read():
     stock, damaged = _spectrum(0.95, 0.95), _spectrum(0.6, 0.6)
-    g = depth_gate(damaged, damaged[-1]["depth"], reference=stock[0])
+    g = depth_gate(damaged, damaged[-1]["depth"], band_read(stock, [2, 12]))
     assert g["void"] is False and g["shallow"] == 0.95 and not g["passed"]
 
 
@@ -91,3 +95,62 @@ def test_probe_sets_read_their_own_attribute_kind():
     r = binding_probe(bow(pf.batch.input_ids).last_hidden_state, pf, bow(ph.batch.input_ids).last_hidden_state, ph)
     assert (r["object_to_attribute"], r["attribute_to_object"]) == (0.5, 0.5)
     with pytest.raises(ValueError, match="one attribute kind"): probe_set(tok, fit[:2] + binding_items(2, seed=7), filler, 4, 64)
+
+
+def test_depths_fit_every_model_and_name_the_one_that_limits():
+    plan = spectrum_depths({"trunk": 512, "teacher": 200, "arm": 512}, 15, 10, trained=42)
+    assert (plan.capacity, plan.limited_by) == (200, "teacher") and max(plan.depths) == 200 - 15 - 1
+    with pytest.raises(ValueError, match="teacher holds 40 positions"): spectrum_depths({"trunk": 512, "teacher": 40}, 15, 10, trained=42)
+
+
+def test_seams_are_where_the_copied_table_restarts_and_are_read_with_a_point_past():
+    rows = copied_rows(42, 512)
+    seams = seam_positions(42, 512)
+    assert seams[0] == 42 and all(int(rows[s]) == 1 and int(rows[s - 1]) == 41 for s in seams)      # each restarts the tiling at row 1
+    assert seams == list(range(42, 512, 41))
+    t = torch.randn(512, 4)
+    assert torch.equal(copied_positions(t, 42, 512)[seams], t[[1] * len(seams)])                     # the same rule as the copied table
+    plan = spectrum_depths({"arm": 512}, 15, 10, trained=42, seams=12)
+    assert set(plan.all_seams) <= set(plan.depths) and {s + 1 for s in plan.all_seams} <= set(plan.depths)
+    assert all(s + 1 <= max(plan.depths) for s in plan.all_seams)
+
+
+def test_the_reference_is_a_shallow_band_inside_the_trained_range():
+    plan = spectrum_depths({"arm": 512}, 15, 10, trained=42, band=4)
+    assert len(plan.band) == 4 and plan.band[0] == 1 and plan.band[-1] + 15 == 42 - 1                    # the deepest band item's [SEP] at 41
+    with pytest.raises(GuardError, match="never one point"): spectrum_depths({"arm": 512}, 15, 10, trained=42, band=1)
+    rows = [{"depth": d, "binding": b, "object_to_attribute": b, "attribute_to_object": b, "n_read": 10} for d, b in ((1, .9), (9, .8), (17, .85), (26, .85))]
+    ref = band_read(rows, [1, 9, 17, 26])
+    assert ref["binding"] == pytest.approx(.85) and ref["n_read"] == 40
+    with pytest.raises(GuardError, match="never one point"): band_read(rows, [1])
+
+
+def test_the_gate_compares_binding_above_chance():
+    band = {"object_to_attribute": .8, "attribute_to_object": .8, "binding": .8}
+    rows = [{"depth": d, "binding": b} for d, b in ((1, .8), (50, .66), (100, .75))]
+    g = depth_gate(rows, 100, band)
+    assert [p["passed"] for p in g["depths"]] == [True, False, True]          # .66 / .8 = .83 would pass a raw 0.8 ratio; above chance it keeps .53
+    assert g["depths"][1]["above_chance"] == pytest.approx(.16 / .3) and g["needed"] == pytest.approx(.74)
+    assert above_chance(.5, .9) == 0.0
+    with pytest.raises(ValueError, match="not above chance"): above_chance(.6, .5)
+
+
+def test_capacity_is_read_from_the_model_object():
+    from transformers import BertConfig, BertModel, RobertaConfig, RobertaModel
+    from captionbert.encoder import CaptionEncoder, EncoderConfig
+    assert model_capacity(CaptionEncoder(EncoderConfig.tiny(max_positions=100))) == 100
+    small = dict(vocab_size=50, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16)
+    assert model_capacity(BertModel(BertConfig(max_position_embeddings=77, **small))) == 77
+    assert model_capacity(RobertaModel(RobertaConfig(max_position_embeddings=66, pad_token_id=1, **small))) == 64   # rows 0-1 are below the pad
+    with pytest.raises(TypeError, match="cannot read how many positions"): model_capacity(BagOfWords(torch.randn(10, 4)))
+
+
+def test_trained_range_is_measured_on_the_training_rows(tmp_path):
+    reach = position_reach([5, 9, 42, 7, 30], rows=[0, 1, 3, 4])              # row 2 (42 tokens) was never trained on
+    assert (reach["trained"], reach["rows"]) == (30, 4)
+    assert DepthConfig.cpu().trained is None and DepthConfig.published().trained is None     # measured, not declared
+    import dataclasses, json
+    from captionbert.train import TrainConfig
+    (tmp_path / "config.json").write_text(json.dumps({"train": dataclasses.asdict(TrainConfig.cpu()), "frame": "f", "seed": 0, "targets": str(tmp_path / "gone"),
+                                                      "corpus": {"targets_fingerprint": "0123456789abcdef", "train_rows_sha256": "x"}}))
+    with pytest.raises(GuardError, match="its targets 0123456789ab are in none of"): trained_range(tmp_path, targets=tmp_path / "gone")
