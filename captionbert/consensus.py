@@ -22,14 +22,13 @@ from .core import (GuardError, atomic_path, atomic_write_json, folder_lock, pick
                               sha256_file, stage_hash, to_jsonable)
 from .data import TokenStore, load_tokenizer, stratified_sample, token_store, tokenize
 from .gauges import effective_rank
-from .teachers import EmbeddingStore, TeacherGroup, embed_cache_key, embed_cached, reference_member, roster
+from .teachers import EmbeddingStore, TeacherGroup, embed_cache_key, embed_cached, reference_member, roster, safetensors_memmap
 from .teachers import roster as teacher_roster   # the name the functions below use: a Run section's `roster` is a parameter
 
 # %% auto #0
-__all__ = ['EXPECTED_ROWS', 'consensus', 'write_targets', 'safetensors_memmap', 'TargetRows', 'ConsensusTargets', 'load_targets',
-           'target_geometry', 'geometry_rows', 'ShiftReport', 'distribution_shift', 'repair_gate',
-           'embeddings_fingerprint', 'stage_version', 'consensus_key', 'check_store', 'check_corpus_rows',
-           'build_consensus', 'main']
+__all__ = ['EXPECTED_ROWS', 'consensus', 'write_targets', 'TargetRows', 'ConsensusTargets', 'load_targets', 'target_geometry',
+           'geometry_rows', 'ShiftReport', 'distribution_shift', 'repair_gate', 'embeddings_fingerprint',
+           'stage_version', 'consensus_key', 'check_store', 'check_corpus_rows', 'build_consensus', 'main']
 
 # %% ../nbs/04_consensus.ipynb #f17d40cb
 def consensus(aligned: dict # teacher -> [N, D] vectors in the reference frame
@@ -75,25 +74,6 @@ def _targets_fingerprint(manifest: dict) -> str:
     "One hash of a targets folder's vectors: their frame and every shard's sha256."
     return sha256_bytes(json.dumps([manifest["frame"], {k: s["sha256"] for k, s in sorted(manifest["shards"].items())}]).encode())
 
-_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64, "I32": np.int32}
-
-def safetensors_memmap(path: str | Path, # a safetensors file
-                       name: str # the tensor to map
-                      ) -> np.ndarray:
-    "One tensor of a safetensors file as a read-only numpy memmap: no copy, pages are read as rows are touched."
-    path = Path(path)
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little"); header = json.loads(f.read(n))
-    if name not in header: raise KeyError(f"{path} holds no tensor {name!r} (it has {sorted(k for k in header if k != '__metadata__')})")
-    h = header[name]; (a, b), shape = h["data_offsets"], tuple(h["shape"])
-    if h["dtype"] not in _ST_DTYPES: raise TypeError(f"{path}:{name} is {h['dtype']}; the memory-mapped reader takes {sorted(_ST_DTYPES)}")
-    dt = np.dtype(_ST_DTYPES[h["dtype"]])
-    if b - a != dt.itemsize * int(np.prod(shape)) or 8 + n + b > path.stat().st_size:
-        raise GuardError(f"{path}:{name}: the header says {shape} {h['dtype']} at bytes {a}..{b}, but the file holds "
-                         f"{path.stat().st_size} bytes; the shard is damaged")
-    if not np.prod(shape): return np.zeros(shape, dt)
-    return np.memmap(path, dtype=dt, mode="r", offset=8 + n + a, shape=shape)
-
 class TargetRows:
     "Target vectors read by corpus row id from memory-mapped shards of contiguous rows; RAM holds only the rows a call returns."
     def __init__(self, folder: Path, # a targets folder
@@ -121,6 +101,15 @@ class TargetRows:
     @property
     def shape(self) -> tuple: return (len(self), self.dim)
     def __repr__(self): return f"TargetRows({len(self)} rows x {self.dim}, {len(self._vec)} shards, memory-mapped)"
+    def ids_at(self, positions # positions in ascending row-id order, 0..len-1
+              ) -> np.ndarray:
+        "The row ids at these positions (a sample of positions becomes a sample of rows without listing every row id)."
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if len(pos) and (pos.min() < 0 or pos.max() >= len(self)):
+            raise IndexError(f"positions {pos[(pos < 0) | (pos >= len(self))][:5].tolist()} are outside the {len(self)} rows of {self.folder}")
+        start = np.concatenate([[0], np.cumsum(self._hi - self._lo)])
+        w = np.searchsorted(start, pos, side="right") - 1
+        return self._lo[w] + (pos - start[w])
     def row_ids(self) -> np.ndarray:
         "Every row id held, ascending (8 bytes a row)."
         return np.concatenate([np.arange(lo, hi) for lo, hi in zip(self._lo, self._hi)]) if len(self._lo) else np.zeros(0, np.int64)
@@ -202,9 +191,13 @@ def target_geometry(targets: ConsensusTargets, # the consensus
             "per_shard_min": min(per_shard) if per_shard else float("nan"), "per_shard_max": max(per_shard) if per_shard else float("nan"),
             "shards": len(per_shard), "dim": targets.targets.dim}
 
-def geometry_rows(targets: ConsensusTargets, sample: int = 8192, seed: int = 0) -> torch.Tensor:
-    "The seeded sample of row ids target_geometry measures (load only these reference rows)."
-    return targets.row_ids[torch.randperm(targets.n_rows, generator=torch.Generator().manual_seed(seed))[:sample]]
+def geometry_rows(targets: ConsensusTargets, # the consensus
+                  sample: int = 8192, # rows drawn (all when the targets hold fewer)
+                  seed: int = 0) -> torch.Tensor:
+    "The seeded sample of row ids target_geometry measures (load only these reference rows); RAM holds the sample, not every row id."
+    n = targets.n_rows      # Generator.choice without replacement draws a small sample of a large range without a permutation of it
+    pos = np.random.default_rng(seed).choice(n, size=min(sample, n), replace=False)
+    return torch.from_numpy(targets.targets.ids_at(pos))
 
 # %% ../nbs/04_consensus.ipynb #654dfdcb
 @dataclasses.dataclass(frozen=True)
@@ -387,7 +380,7 @@ def _build_consensus(cfg, folder, source, store, key, rebuilt_from, t_embed, pro
     # seeded sample of row ids are the centroid of these maps applied to the stored vectors of the same ids
     if tg.frame != frame_fingerprint(maps):
         raise GuardError(f"{folder}: targets.json records frame {tg.frame[:12]} but the maps fit here define {frame_fingerprint(maps)[:12]}")
-    probe = tg.row_ids[torch.randperm(len(tg.row_ids), generator=torch.Generator().manual_seed(cfg.seed))[:64]]
+    probe = geometry_rows(tg, 64, seed=cfg.seed)
     want = consensus({t: maps[t].apply(RowEmbeddings.load(store, t, rows=probe).take(probe)) for t in store.teachers})
     if not torch.allclose(tg.for_rows(probe), want, atol=1e-5):
         raise GuardError(f"{folder}: the targets written for rows {probe[:5].tolist()}... are not the consensus of their stored teacher vectors; rebuild")

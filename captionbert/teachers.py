@@ -25,8 +25,8 @@ __all__ = ['HUB_TEACHERS', 'ROSTERS', 'TEACHERS_EXTRA', 'PARAPHRASE_DIST', 'PARA
            'STATIC_FAMILIES', 'TeacherSpec', 'offline_teachers', 'paraphrase_teachers', 'glove_teacher', 'roster',
            'reference_member', 'missing_extra', 'paraphrase_minilm_onnx', 'glove_root', 'onnx_bert_weights',
            'convert_onnx_bert', 'GloveTokenizer', 'WordVectors', 'load_glove', 'load_source', 'embed_stage_version',
-           'mean_pool', 'TeacherGroup', 'require_source', 'load_teachers', 'EmbeddingStore', 'dist_world', 'shard_rows',
-           'embed_corpus', 'merge_shards', 'embed_cache_key', 'embed_cached', 'main']
+           'mean_pool', 'TeacherGroup', 'require_source', 'load_teachers', 'safetensors_memmap', 'EmbeddingStore',
+           'dist_world', 'shard_rows', 'embed_corpus', 'merge_shards', 'embed_cache_key', 'embed_cached', 'main']
 
 # %% ../nbs/01a_teachers.ipynb #d79a4f64
 @dataclasses.dataclass(frozen=True)
@@ -343,6 +343,25 @@ def load_teachers(specs: Sequence[TeacherSpec], # a roster
     return [TeacherGroup(v, device=device, precision=precision) for v in by_source.values()]
 
 # %% ../nbs/01a_teachers.ipynb #7e2f7859
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64, "I32": np.int32}
+
+def safetensors_memmap(path: str | Path, # a safetensors file
+                       name: str # the tensor to map
+                      ) -> np.ndarray:
+    "One tensor of a safetensors file as a read-only numpy memmap: no copy, pages are read as rows are touched."
+    path = Path(path)
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little"); header = json.loads(f.read(n))
+    if name not in header: raise KeyError(f"{path} holds no tensor {name!r} (it has {sorted(k for k in header if k != '__metadata__')})")
+    h = header[name]; (a, b), shape = h["data_offsets"], tuple(h["shape"])
+    if h["dtype"] not in _ST_DTYPES: raise TypeError(f"{path}:{name} is {h['dtype']}; the memory-mapped reader takes {sorted(_ST_DTYPES)}")
+    dt = np.dtype(_ST_DTYPES[h["dtype"]])
+    if b - a != dt.itemsize * int(np.prod(shape)) or 8 + n + b > path.stat().st_size:
+        raise GuardError(f"{path}:{name}: the header says {shape} {h['dtype']} at bytes {a}..{b}, but the file holds "
+                         f"{path.stat().st_size} bytes; the shard is damaged")
+    if not np.prod(shape): return np.zeros(shape, dt)
+    return np.memmap(path, dtype=dt, mode="r", offset=8 + n + a, shape=shape)
+
 class EmbeddingStore:
     "Read side of a merged, verified teacher-embedding folder (see merge_shards)."
     def __init__(self, folder: str | Path):
@@ -361,36 +380,45 @@ class EmbeddingStore:
     def complete(self) -> bool: return self.manifest.get("complete", False)
     def shard(self, teacher: str, key: str, verify: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         "One shard's (embeddings [n, D], row_ids [n]); with verify, its sha256 is checked against the manifest first."
-        p = self.folder / teacher / f"shard-{key}.safetensors"
-        if teacher not in self.teachers: raise KeyError(f"no teacher {teacher!r} in {self.folder}; it holds {self.teachers}")
-        if verify and sha256_file(p) != self.manifest["shards"][key]["sha256"][teacher]:
-            raise GuardError(f"{p} does not match its manifest sha256: the shard is corrupt; rerun embed_corpus on this folder to recompute it")
-        with safe_open(str(p), "pt") as f: return f.get_tensor("embeddings"), f.get_tensor("row_ids")
+        with safe_open(str(self._path(teacher, key, verify)), "pt") as f: return f.get_tensor("embeddings"), f.get_tensor("row_ids")
     @property
     def shard_keys(self) -> list[str]: return sorted(self.manifest["shards"])
+    def _path(self, teacher: str, key: str, verify: bool) -> Path:
+        "A teacher's shard file (with verify, its sha256 checked against the manifest first)."
+        if teacher not in self.teachers: raise KeyError(f"no teacher {teacher!r} in {self.folder}; it holds {self.teachers}")
+        p = self.folder / teacher / f"shard-{key}.safetensors"
+        if verify and sha256_file(p) != self.manifest["shards"][key]["sha256"][teacher]:
+            raise GuardError(f"{p} does not match its manifest sha256: the shard is corrupt; rerun embed_corpus on this folder to recompute it")
+        return p
     def load(self, teacher: str, # a teacher of the store
              rows: Sequence[int] | None = None, # row ids to return (in this order); None = every row
              verify: bool = False # check each shard's sha256 against the manifest first
             ) -> torch.Tensor:
-        "Embeddings [N, D] of one teacher, for every row or the given row ids (read shard by shard)."
-        want = None if rows is None else torch.as_tensor(np.asarray(rows), dtype=torch.long)
-        parts, ids = [], []
-        for k in self.shard_keys:
-            lo, hi = self.manifest["shards"][k]["rows"]
-            if want is not None and not ((want >= lo) & (want < hi)).any(): continue
-            e, r = self.shard(teacher, k, verify)
-            if want is not None:
-                keep = torch.isin(r, want); e, r = e[keep], r[keep]
-            parts.append(e); ids.append(r)
-        if rows is None: return torch.cat(parts)
-        emb, ids = (torch.cat(parts), torch.cat(ids)) if parts else (torch.zeros(0), torch.zeros(0, dtype=torch.long))
-        pos = {int(i): n for n, i in enumerate(ids)}
-        missing = [int(i) for i in want if int(i) not in pos]
-        if missing: raise IndexError(f"rows {missing[:5]} are not in {self.folder} (it holds {self.n_rows} rows)")
-        return emb[[pos[int(i)] for i in want]]
+        "Embeddings [N, D] of one teacher: every row (shard by shard), or the given row ids read from memory-mapped shards (RAM holds those rows only)."
+        if rows is None: return torch.cat([self.shard(teacher, k, verify)[0] for k in self.shard_keys])
+        want = np.asarray(rows.cpu() if isinstance(rows, torch.Tensor) else rows, dtype=np.int64).reshape(-1)
+        keys = self.shard_keys
+        lo = np.array([self.manifest["shards"][k]["rows"][0] for k in keys], dtype=np.int64)
+        hi = np.array([self.manifest["shards"][k]["rows"][1] for k in keys], dtype=np.int64)
+        order = np.argsort(lo, kind="stable"); keys, lo, hi = [keys[i] for i in order], lo[order], hi[order]
+        w = np.searchsorted(lo, want, side="right") - 1
+        held = (w >= 0) & (want < hi[w.clip(0)]) if len(keys) else np.zeros(len(want), bool)
+        if not held.all(): raise IndexError(f"rows {want[~held][:5].tolist()} are not in {self.folder} (it holds {self.n_rows} rows)")
+        out = None
+        for s in np.unique(w):
+            m = w == s; p = self._path(teacher, keys[s], verify)
+            vec, ids = safetensors_memmap(p, "embeddings"), safetensors_memmap(p, "row_ids")
+            at = want[m] - lo[s]
+            if len(ids) != hi[s] - lo[s] or len(vec) != len(ids) or not np.array_equal(ids[at], want[m]):   # identity, on the rows read
+                raise GuardError(f"{p} does not hold rows {lo[s]}..{hi[s] - 1} at their positions (its manifest says so): the shard was "
+                                 "changed after the merge; rerun embed_corpus on this folder to recompute it")
+            if out is None: out = np.empty((len(want), vec.shape[1]), dtype=vec.dtype)
+            out[m] = vec[at]
+        return torch.from_numpy(out if out is not None else np.zeros((0, self.manifest["dims"][teacher]), np.float32))
     def row_ids(self) -> torch.Tensor:
-        "Row ids of the store, in storage order."
-        return torch.cat([self.shard(self.teachers[0], k)[1] for k in self.shard_keys])
+        "Row ids of the store, in storage order (read from each shard's row_ids alone)."
+        t = self.teachers[0]
+        return torch.cat([torch.from_numpy(np.array(safetensors_memmap(self._path(t, k, False), "row_ids"))) for k in self.shard_keys])
 
 def dist_world() -> tuple[int, int]:
     "(rank, world size) of this process's torch.distributed group; (0, 1) outside one."

@@ -142,3 +142,79 @@ def test_a_run_trains_on_exactly_the_rows_run_rows_decides(tmp_path, monkeypatch
     assert not set(drawn) & set(job.eval_rows.tolist()) and set(job.eval_rows.tolist()) == set(want.eval.tolist())
     assert job.eval_rows.min() >= 300                                                       # 100 rows past the range hold the 64
     assert json.loads((tmp_path / "run" / "config.json").read_text())["corpus"]["train_rows"] == want.n_train == 300
+
+
+def _embedding_store(folder, n, d, shard, teacher="t"):
+    "A merged teacher-embedding store written by hand: `n` rows of width `d` in shards of `shard` rows (vector of row i = i + column/1000)."
+    from captionbert.core import sha256_file
+    shards = {}
+    for k, lo in enumerate(range(0, n, shard)):
+        hi = min(lo + shard, n); p = folder / teacher / f"shard-{k:05d}.safetensors"; p.parent.mkdir(parents=True, exist_ok=True)
+        vec = torch.arange(lo, hi, dtype=torch.float32)[:, None] + torch.arange(d, dtype=torch.float32) / 1000
+        save_file({"embeddings": vec, "row_ids": torch.arange(lo, hi)}, str(p))
+        shards[f"{k:05d}"] = {"rows": [lo, hi], "count": hi - lo, "sha256": {teacher: sha256_file(p)}}
+    (folder / "manifest.json").write_text(json.dumps({"teachers": [{"name": teacher}], "dims": {teacher: d}, "rows": n,
+                                                      "shards": shards, "complete": True}))
+    from captionbert.teachers import EmbeddingStore
+    return EmbeddingStore(folder)
+
+
+def test_embedding_rows_are_read_from_memory_mapped_shards_not_whole_shards(tmp_path, monkeypatch):
+    "EmbeddingStore.load(rows=...) (the alignment fit, the write-back probe, the geometry sample) holds the rows asked, never a whole shard."
+    import tracemalloc
+    import captionbert.teachers as T
+    from captionbert.core import GuardError
+    n, d, shard = 60_000, 128, 16_384                               # 4 shards; one shard is 8 MB of vectors
+    store = _embedding_store(tmp_path / "emb", n, d, shard)
+    opened = []
+    class _Recording:                                              # safe_open that records every tensor decoded whole
+        def __init__(self, path, fw): self.f = T_safe_open(path, fw)
+        def __enter__(self): self.f.__enter__(); return self
+        def __exit__(self, *a): return self.f.__exit__(*a)
+        def get_tensor(self, name): x = self.f.get_tensor(name); opened.append((name, tuple(x.shape))); return x
+    T_safe_open = T.safe_open
+    monkeypatch.setattr(T, "safe_open", _Recording)
+    rows = np.random.default_rng(0).choice(n, 2048, replace=False)  # across every shard, in random order
+    tracemalloc.start()
+    got = store.load("t", rows=rows)
+    _, peak = tracemalloc.get_traced_memory(); tracemalloc.stop()
+    assert opened == [], f"load(rows) decoded whole tensors {opened}: it must read only the rows asked from memory-mapped shards"
+    want = torch.as_tensor(rows, dtype=torch.float32)[:, None] + torch.arange(d, dtype=torch.float32) / 1000
+    assert torch.equal(got, want)                                  # row ids, in the order asked, across shards
+    asked = 2048 * d * 4
+    assert peak < 3 * asked < shard * d * 4, f"load(rows) allocated {peak / 2**20:.1f} MB for {asked / 2**20:.1f} MB of rows"
+    assert torch.equal(store.load("t", rows=[n - 1, 0]), want.new_tensor([[n - 1.0], [0.0]]) + torch.arange(d) / 1000)
+    with pytest.raises(IndexError, match=r"rows \[60000\] are not in"):
+        store.load("t", rows=[5, n])
+    # identity on the rows read: a shard whose row ids no longer match its manifest range is refused, naming the file
+    p = tmp_path / "emb" / "t" / "shard-00001.safetensors"
+    save_file({"embeddings": torch.zeros(shard, d), "row_ids": torch.arange(shard)}, str(p))
+    with pytest.raises(GuardError, match=r"shard-00001.safetensors does not hold rows 16384..32767"):
+        store.load("t", rows=[shard + 3])
+    with pytest.raises(GuardError, match="does not match its manifest sha256"):
+        store.load("t", rows=[shard + 3], verify=True)
+    assert store.load("t", rows=[3]).shape == (1, d)               # the other shards still read
+
+
+def test_geometry_sample_does_not_list_every_row(monkeypatch):
+    "geometry_rows (04's geometry and write-back probe) draws its sample from 2.5 billion rows without a permutation or a list of them."
+    import tracemalloc
+    from captionbert.consensus import ConsensusTargets, TargetRows, geometry_rows
+    tr = object.__new__(TargetRows)                                  # two shards with a gap: rows 0..1e9-1 and 1.5e9..2.5e9-1
+    tr.folder, tr.dim, tr._vec = Path("huge"), 8, [None, None]
+    tr._lo, tr._hi = np.array([0, 1_500_000_000]), np.array([1_000_000_000, 2_500_000_000])
+    def _listed(): raise AssertionError("every row id was listed (8 bytes a row: 16 GB here)")
+    monkeypatch.setattr(tr, "row_ids", _listed)
+    tg = ConsensusTargets(Path("huge"), tr, {"frame": "f", "shards": {}})
+    tracemalloc.start()
+    rows = geometry_rows(tg, 8192, seed=3)
+    _, peak = tracemalloc.get_traced_memory(); tracemalloc.stop()
+    assert peak < 8 * 2**20, f"{peak / 2**20:.0f} MB traced to sample 8,192 rows"
+    r = rows.numpy()
+    assert len(r) == len(set(r.tolist())) == 8192
+    assert not ((r >= 1_000_000_000) & (r < 1_500_000_000)).any() and r.min() >= 0 and r.max() < 2_500_000_000   # rows held, not positions
+    assert (r >= 1_500_000_000).any() and (r < 1_000_000_000).any()
+    assert torch.equal(geometry_rows(tg, 8192, seed=3), rows) and not torch.equal(geometry_rows(tg, 8192, seed=4), rows)
+    assert tr.ids_at([0, 999_999_999, 1_000_000_000, 1_999_999_999]).tolist() == [0, 999_999_999, 1_500_000_000, 2_499_999_999]
+    with pytest.raises(IndexError, match="outside the 2000000000 rows"):
+        tr.ids_at([2_000_000_000])
