@@ -22,14 +22,15 @@ from .encoder import ATTENTION_KINDS, ROUTERS, CaptionEncoder, EncoderConfig, No
 
 # %% auto #0
 __all__ = ['BATTERY_TAU', 'BATTERY_TAUS', 'BATTERY_SIZES', 'PUBLISHED', 'PRODUCT_CODE_PUBLISHED', 'BLEND_PUBLISHED', 'TAU_BOUND',
-           'SPLAT_CURES', 'SPLAT_CELLS', 'SPLAT_TAU', 'SCREEN_ARMS', 'battery_size', 'check_finite', 'split_budget',
-           'codebooks', 'address', 'write', 'read', 'top1', 'items', 'two_seeds', 'peak_live_bytes', 'Verdict',
-           'run_probe', 'tau_sweep', 'probe_product_code', 'product_code_bar', 'product_code_rule',
+           'SPLAT_CURES', 'SPLAT_CELLS', 'SPLAT_TAU', 'SCREEN_ARMS', 'ATTENTION_BAND', 'battery_size', 'check_finite',
+           'split_budget', 'codebooks', 'address', 'write', 'read', 'top1', 'items', 'two_seeds', 'peak_live_bytes',
+           'Verdict', 'run_probe', 'tau_sweep', 'probe_product_code', 'product_code_bar', 'product_code_rule',
            'opinion_similarity', 'probe_differentiation', 'differentiation_rule', 'probe_blend_select', 'blend_rule',
            'probe_partitions', 'storage_rule', 'resolution_rule', 'probe_locality', 'locality_rule',
            'probe_signed_softmax', 'signed_rule', 'splat_options', 'SplatAttention', 'measure', 'scaling_benchmark',
            'slope', 'block_readback', 'probe_trainability', 'trainability_rule', 'print_battery', 'ScreenConfig',
-           'basin_gauge', 'basin_extra', 'screen_dir', 'train_screen', 'screen_path', 'steps_to_reach', 'screen_table']
+           'basin_gauge', 'basin_extra', 'screen_dir', 'train_screen', 'screen_path', 'steps_to_reach',
+           'attention_verdict', 'screen_table']
 
 # %% ../nbs/10_splat.ipynb #39c5ebcd
 BATTERY_TAU = 0.02         # the temperature every verdict uses: declared in this notebook's first version (the article states none for its battery)
@@ -644,6 +645,7 @@ def print_battery(size: str = "cpu", seed: int = 0,
 # %% ../nbs/10_splat.ipynb #ce78de1b
 SCREEN_ARMS = {   # the paired screens: label -> EncoderConfig.attention (same seed, data, batches and steps for every arm)
     "standard": "sdpa",              # the standard (SDPA) block: the reference the training gauge is matched against
+    "attention-free": "none",        # the control that mixes no tokens (SDPA's parameters): does attention matter on this task at all?
     "collapse": "splat:frozen",      # routing that owns no parameters
     "rope": "splat:rope",            # each cure alone ...
     "frame": "splat:frame",
@@ -666,7 +668,7 @@ class ScreenConfig:
         "A screen size: smoke (the tests) or cpu (keyword overrides allowed)."
         if name not in cls.PRESETS: raise ValueError(f"unknown screen size {name!r}: one of {list(cls.PRESETS)}")
         base = {"smoke": {"name": "smoke", "train_preset": "smoke", "encoder": "tiny", "recipe": (("max_steps", 20), ("eval_every", 10)), "basin_rows": 64,
-                         "arms": ("standard", "collapse", "all three")}}   # smoke: the code path, three arms; cpu: every arm
+                         "arms": ("standard", "attention-free", "collapse", "all three")}}   # smoke: the code path, four arms; cpu: every arm
         return cls(**{**base.get(name, {}), **kw})
     def __post_init__(self):
         bad = [a for a in self.arms if a not in SCREEN_ARMS]
@@ -740,17 +742,42 @@ def steps_to_reach(path: list[dict], value: float) -> Optional[int]:
     "The first evaluated step whose training gauge reaches `value` (None if it never does)."
     return next((p["step"] for p in path if p["target_cosine"] >= value), None)
 
-def screen_table(paths: dict # arm -> screen_path(...), with "standard" and "collapse" among them
+ATTENTION_BAND = 0.01   # declared before the attention-free arm's first number: a standard block within .01 target cosine of the control has no room to price a cure in (the six cpu arms already spread .004)
+
+def attention_verdict(paths: dict, # arm -> screen_path(...), with "standard" and "attention-free" among them
+                      band: float = ATTENTION_BAND # the declared band (target cosine)
+                     ) -> dict:
+    "Whether attention matters on the screens' task: the standard block's final training gauge must beat the attention-free control's by more than `band`, at the same step."
+    for need in ("standard", "attention-free"):
+        if need not in paths or not paths[need]:
+            raise ValueError(f"attention verdict: no {need!r} run among {list(paths)}; train the attention-free control beside the standard "
+                             "block before any cure is priced (LAWS.md law 5)")
+    s, a = paths["standard"][-1], paths["attention-free"][-1]
+    if s["step"] != a["step"]:
+        raise ValueError(f"attention verdict: the standard block ends at step {s['step']}, the attention-free control at {a['step']}; "
+                         "compare them at matched budget (finish both runs)")
+    gap = s["target_cosine"] - a["target_cosine"]; matters = gap > band
+    line = (f"attention {'matters' if matters else 'does not matter'} on this task: standard {s['target_cosine']:.4f} vs attention-free "
+            f"{a['target_cosine']:.4f} at step {s['step']} (gap {gap:+.4f}, band {band}); " +
+            ("the collapse and its cures are priced against it" if matters else
+             "the collapse and its cures are not measurable here (no cure is ranked)"))
+    return {"standard": s["target_cosine"], "attention_free": a["target_cosine"], "step": s["step"], "gap": gap, "band": band,
+            "matters": matters, "line": line}
+
+def screen_table(paths: dict, # arm -> screen_path(...), with "standard", "attention-free" and "collapse" among them
+                 band: float = ATTENTION_BAND # the attention verdict's band
                 ) -> list[dict]:
-    "Each arm at matched budget: final training gauge, its fraction of the standard block's, its multiple of the collapse's, the basin gauge."
-    for need in ("standard", "collapse"):
-        if need not in paths or not paths[need]: raise ValueError(f"screen table: no {need!r} run among {list(paths)}; the table is priced against it")
+    "Each arm at matched budget: final training gauge and basin gauge; its fraction of the standard block's and multiple of the collapse's only where the attention verdict says attention matters."
+    verdict = attention_verdict(paths, band)                       # first: is there anything to price?
+    if "collapse" not in paths or not paths["collapse"]: raise ValueError(f"screen table: no 'collapse' run among {list(paths)}; the table is priced against it")
     std, col = paths["standard"][-1]["target_cosine"], paths["collapse"][-1]["target_cosine"]
     out = []
     for arm, p in paths.items():
         if not p: raise ValueError(f"screen table: arm {arm!r} has no evaluation; train it to at least one eval_every")
-        f = p[-1]
+        f, priced = p[-1], verdict["matters"]
         out.append({"arm": arm, "attention": SCREEN_ARMS[arm], "step": f["step"], "target_cosine": f["target_cosine"],
-                    "of_standard": f["target_cosine"] / std if std > 0 else None, "x_collapse": f["target_cosine"] / col if col > 0 else None,
+                    "of_standard": f["target_cosine"] / std if priced and std > 0 else None,
+                    "x_collapse": f["target_cosine"] / col if priced and col > 0 else None,
                     "peak_share": f.get("peak_share"), "anchor_cosine": f.get("anchor_cosine")})
     return out
+
