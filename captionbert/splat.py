@@ -18,11 +18,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .amoe import sinh_route
+from .core import Presets
 from .encoder import ATTENTION_KINDS, ROUTERS, CaptionEncoder, EncoderConfig, NoPositions, attention_kind
 
 # %% auto #0
-__all__ = ['BATTERY_TAU', 'BATTERY_TAUS', 'BATTERY_SIZES', 'PUBLISHED', 'PRODUCT_CODE_PUBLISHED', 'BLEND_PUBLISHED', 'TAU_BOUND',
-           'SPLAT_CURES', 'SPLAT_CELLS', 'SPLAT_TAU', 'SCREEN_ARMS', 'ATTENTION_BAND', 'battery_size', 'check_finite',
+__all__ = ['BATTERY_TAU', 'BATTERY_TAUS', 'PUBLISHED', 'PRODUCT_CODE_PUBLISHED', 'BLEND_PUBLISHED', 'TAU_BOUND', 'SPLAT_CURES',
+           'SPLAT_CELLS', 'SPLAT_TAU', 'SCREEN_ARMS', 'ATTENTION_BAND', 'BatteryConfig', 'battery_size', 'check_finite',
            'split_budget', 'codebooks', 'address', 'write', 'read', 'top1', 'items', 'two_seeds', 'peak_live_bytes',
            'Verdict', 'run_probe', 'tau_sweep', 'probe_product_code', 'product_code_bar', 'product_code_rule',
            'opinion_similarity', 'probe_differentiation', 'differentiation_rule', 'probe_blend_select', 'blend_rule',
@@ -36,20 +37,35 @@ __all__ = ['BATTERY_TAU', 'BATTERY_TAUS', 'BATTERY_SIZES', 'PUBLISHED', 'PRODUCT
 BATTERY_TAU = 0.02         # the temperature every verdict uses: declared in this notebook's first version (the article states none for its battery)
 BATTERY_TAUS = (0.02, 0.05, 0.10)   # the sweep printed beside the temperature-bound verdicts: .10 is the router's and the block's default (SPLAT_TAU)
 
-_BASE = dict(dim=64, budget=256, items=256, value_dim=64, noise=0.35)   # keys in 64-d, 256 anchors, 256 stored items, 64-d values
-
-BATTERY_SIZES = {          # the battery's dimensions at each run size (core.SIZES): smoke runs in seconds under the tests
-    "smoke": dict(_BASE, trials=1, steps=30, train_steps=10, context=256, locality_heads=(1, 16, 256), locality_judged=16, lengths=(64, 128, 256)),
-    "cpu": dict(_BASE, trials=3, steps=300, train_steps=150, context=2048, locality_heads=(1, 16, 128, 2048), locality_judged=128,
-                lengths=(256, 512, 1024, 2048)),
-}   # locality_judged: the head count the locality verdict reads (16 tokens a head: not the trivial 1 token a head)
-BATTERY_SIZES["published"] = BATTERY_SIZES["cpu"]          # the battery is CPU mathematics: the published size is the cpu size
+@dataclasses.dataclass(frozen=True)
+class BatteryConfig(Presets):
+    "The battery's dimensions at one run size (core.SIZES): smoke runs in seconds under the tests; the sizes share the store's dimensions."
+    dim: int = 64                     # key dimensions
+    budget: int = 256                 # anchor directions in all (split into the probe's codebooks)
+    items: int = 256                  # items stored
+    value_dim: int = 64               # value dimensions
+    noise: float = 0.35               # a query's noise relative to its key (cosine ~.94)
+    trials: int = 3                   # seeded trials a readback averages
+    steps: int = 300                  # training steps of the differentiation probe
+    train_steps: int = 150            # training steps of the trainability screen
+    context: int = 2048               # the locality probe's context (tokens)
+    locality_heads: tuple = (1, 16, 128, 2048)   # head counts the locality probe shards the context into
+    locality_judged: int = 128        # the head count the locality verdict reads (16 tokens a head: not the trivial 1 token a head)
+    lengths: tuple = (256, 512, 1024, 2048)      # lengths the locality probe's cost is measured at
+    PRESETS, SIZE_OF = ("smoke", "cpu", "published"), "battery size"   # core.Presets: preset(name) builds each by its classmethod
+    @classmethod
+    def smoke(cls, **kw):
+        return cls(**{"trials": 1, "steps": 30, "train_steps": 10, "context": 256, "locality_heads": (1, 16, 256), "locality_judged": 16,
+                      "lengths": (64, 128, 256), **kw})
+    @classmethod
+    def cpu(cls, **kw): return cls(**kw)
+    @classmethod
+    def published(cls, **kw): return cls.cpu(**kw)   # the battery is CPU mathematics: the published size is the cpu size
 
 def battery_size(size: str = "smoke" # a run size of core.SIZES
                 ) -> dict:
-    "The battery's dimensions at a run size."
-    if size not in BATTERY_SIZES: raise ValueError(f"unknown battery size {size!r}: one of {list(BATTERY_SIZES)}")
-    return dict(BATTERY_SIZES[size])
+    "The battery's dimensions at a run size, as a dict (an unknown size is an error listing the sizes)."
+    return dataclasses.asdict(BatteryConfig.preset(size))
 
 def check_finite(probe: str, # the probe's name, carried by the error
                  **tensors):
@@ -654,7 +670,7 @@ SCREEN_ARMS = {   # the paired screens: label -> EncoderConfig.attention (same s
 }
 
 @dataclasses.dataclass(frozen=True)
-class ScreenConfig:
+class ScreenConfig(Presets):
     "The size of the paired screens: the 05_train recipe at that size, the encoder architecture, the arms and what is read."
     name: str = "cpu"                 # the run size
     train_preset: str = "cpu"         # the 05_train preset (its targets, corpus and gauges)
@@ -662,14 +678,13 @@ class ScreenConfig:
     recipe: tuple = (("max_steps", 300), ("warmup_steps", 30), ("eval_every", 25))   # TrainConfig overrides, (key, value) pairs
     arms: tuple = tuple(SCREEN_ARMS)  # the arms screened
     basin_rows: int = 128             # held-out rows the basin gauge reads at every evaluation
-    PRESETS = ("smoke", "cpu")
+    PRESETS, SIZE_OF = ("smoke", "cpu"), "screen size"   # core.Presets: preset(name) builds each by its classmethod (CUDA runs the cpu size)
     @classmethod
-    def preset(cls, name: str, **kw):
-        "A screen size: smoke (the tests) or cpu (keyword overrides allowed)."
-        if name not in cls.PRESETS: raise ValueError(f"unknown screen size {name!r}: one of {list(cls.PRESETS)}")
-        base = {"smoke": {"name": "smoke", "train_preset": "smoke", "encoder": "tiny", "recipe": (("max_steps", 20), ("eval_every", 10)), "basin_rows": 64,
-                         "arms": ("standard", "attention-free", "collapse", "all three")}}   # smoke: the code path, four arms; cpu: every arm
-        return cls(**{**base.get(name, {}), **kw})
+    def smoke(cls, **kw):   # the tests: the code path, four arms
+        return cls(**{"name": "smoke", "train_preset": "smoke", "encoder": "tiny", "recipe": (("max_steps", 20), ("eval_every", 10)), "basin_rows": 64,
+                      "arms": ("standard", "attention-free", "collapse", "all three"), **kw})
+    @classmethod
+    def cpu(cls, **kw): return cls(**kw)   # every arm
     def __post_init__(self):
         bad = [a for a in self.arms if a not in SCREEN_ARMS]
         if bad: raise ValueError(f"unknown screen arms {bad}: the arms are {list(SCREEN_ARMS)}")
