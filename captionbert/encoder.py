@@ -6,9 +6,9 @@
 # %% auto #0
 __all__ = ['SIZE_TO_ARCH', 'POSITION_KINDS', 'ROUTERS', 'FFN_KINDS', 'ATTENTION_KINDS', 'EncoderConfig', 'LearnedPositions',
            'NoPositions', 'Attention', 'DenseFFN', 'signed_route', 'softmax_route', 'AnchoredFFN', 'Block',
-           'attention_kind', 'EncoderOutput', 'CaptionEncoder', 'set_residual_hook', 'n_params', 'ntk_inv_freq',
-           'rotary_phases', 'full_width', 'apply_rotary', 'RotaryPositions', 'wordpiece_kinds', 'base8_address',
-           'HierarchicalRotary', 'BindingRotary', 'pointer_targets', 'pointer_loss']
+           'TokenLocal', 'attention_kind', 'EncoderOutput', 'CaptionEncoder', 'set_residual_hook', 'n_params',
+           'ntk_inv_freq', 'rotary_phases', 'full_width', 'apply_rotary', 'RotaryPositions', 'wordpiece_kinds',
+           'base8_address', 'HierarchicalRotary', 'BindingRotary', 'pointer_targets', 'pointer_loss']
 
 # %% ../nbs/01b_encoder.ipynb #915b9118
 import dataclasses, importlib, math
@@ -258,13 +258,21 @@ class Block(nn.Module):
         return flat.index_add(0, idx, y.to(flat.dtype)).view_as(x), w
 
 # %% ../nbs/01b_encoder.ipynb #ad81e987
+class TokenLocal(Attention):
+    "Attention that mixes no tokens (a control): each token reads its own value, through SDPA's very projections (the same parameters)."
+    def forward(self, x, mask, positions, need_weights: bool = False):
+        B, L, D = x.shape
+        v = self.qkv(x).view(B, L, 3, D)[:, :, 2]                       # [B, L, D] the value part; the query and key parts are never read
+        w = torch.eye(L, dtype=x.dtype, device=x.device).expand(B, self.heads, L, L) if need_weights else None   # [B, H, L, L] each token on itself
+        return self.out(v), w
+
 def _splat_attention(cfg: EncoderConfig) -> nn.Module:
     "The splat block of `captionbert.splat`, imported when a block is built (splat builds on this module, so not at its top)."
     return importlib.import_module("captionbert.splat").SplatAttention(cfg)
 
-ATTENTION_KINDS = {"sdpa": Attention, "splat": _splat_attention}   # EncoderConfig.attention -> the block's attention
+ATTENTION_KINDS = {"sdpa": Attention, "splat": _splat_attention, "none": TokenLocal}   # EncoderConfig.attention -> the block's attention
 
-def attention_kind(name: str # an EncoderConfig.attention value: "sdpa", "splat", or "splat:<options>"
+def attention_kind(name: str # an EncoderConfig.attention value: "sdpa", "none", "splat", or "splat:<options>"
                   ) -> str:
     "The ATTENTION_KINDS key an `attention` value names; an unknown kind, or an option of a kind that takes none, is a ValueError."
     kind, sep, opts = name.partition(":")

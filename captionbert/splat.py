@@ -18,37 +18,54 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .amoe import sinh_route
+from .core import Presets
 from .encoder import ATTENTION_KINDS, ROUTERS, CaptionEncoder, EncoderConfig, NoPositions, attention_kind
 
 # %% auto #0
-__all__ = ['BATTERY_TAU', 'BATTERY_TAUS', 'BATTERY_SIZES', 'PUBLISHED', 'PRODUCT_CODE_PUBLISHED', 'BLEND_PUBLISHED', 'TAU_BOUND',
-           'SPLAT_CURES', 'SPLAT_CELLS', 'SPLAT_TAU', 'SCREEN_ARMS', 'battery_size', 'check_finite', 'split_budget',
-           'codebooks', 'address', 'write', 'read', 'top1', 'items', 'two_seeds', 'peak_live_bytes', 'Verdict',
-           'run_probe', 'tau_sweep', 'probe_product_code', 'product_code_bar', 'product_code_rule',
+__all__ = ['BATTERY_TAU', 'BATTERY_TAUS', 'PUBLISHED', 'PRODUCT_CODE_PUBLISHED', 'BLEND_PUBLISHED', 'TAU_BOUND', 'SPLAT_CURES',
+           'SPLAT_CELLS', 'SPLAT_TAU', 'SCREEN_ARMS', 'ATTENTION_BAND', 'BatteryConfig', 'battery_size', 'check_finite',
+           'split_budget', 'codebooks', 'address', 'write', 'read', 'top1', 'items', 'two_seeds', 'peak_live_bytes',
+           'Verdict', 'run_probe', 'tau_sweep', 'probe_product_code', 'product_code_bar', 'product_code_rule',
            'opinion_similarity', 'probe_differentiation', 'differentiation_rule', 'probe_blend_select', 'blend_rule',
            'probe_partitions', 'storage_rule', 'resolution_rule', 'probe_locality', 'locality_rule',
            'probe_signed_softmax', 'signed_rule', 'splat_options', 'SplatAttention', 'measure', 'scaling_benchmark',
            'slope', 'block_readback', 'probe_trainability', 'trainability_rule', 'print_battery', 'ScreenConfig',
-           'basin_gauge', 'basin_extra', 'screen_dir', 'train_screen', 'screen_path', 'steps_to_reach', 'screen_table']
+           'basin_gauge', 'basin_extra', 'screen_dir', 'train_screen', 'screen_path', 'steps_to_reach',
+           'attention_verdict', 'screen_table']
 
 # %% ../nbs/10_splat.ipynb #39c5ebcd
 BATTERY_TAU = 0.02         # the temperature every verdict uses: declared in this notebook's first version (the article states none for its battery)
 BATTERY_TAUS = (0.02, 0.05, 0.10)   # the sweep printed beside the temperature-bound verdicts: .10 is the router's and the block's default (SPLAT_TAU)
 
-_BASE = dict(dim=64, budget=256, items=256, value_dim=64, noise=0.35)   # keys in 64-d, 256 anchors, 256 stored items, 64-d values
-
-BATTERY_SIZES = {          # the battery's dimensions at each run size (core.SIZES): smoke runs in seconds under the tests
-    "smoke": dict(_BASE, trials=1, steps=30, train_steps=10, context=256, locality_heads=(1, 16, 256), locality_judged=16, lengths=(64, 128, 256)),
-    "cpu": dict(_BASE, trials=3, steps=300, train_steps=150, context=2048, locality_heads=(1, 16, 128, 2048), locality_judged=128,
-                lengths=(256, 512, 1024, 2048)),
-}   # locality_judged: the head count the locality verdict reads (16 tokens a head: not the trivial 1 token a head)
-BATTERY_SIZES["published"] = BATTERY_SIZES["cpu"]          # the battery is CPU mathematics: the published size is the cpu size
+@dataclasses.dataclass(frozen=True)
+class BatteryConfig(Presets):
+    "The battery's dimensions at one run size (core.SIZES): smoke runs in seconds under the tests; the sizes share the store's dimensions."
+    dim: int = 64                     # key dimensions
+    budget: int = 256                 # anchor directions in all (split into the probe's codebooks)
+    items: int = 256                  # items stored
+    value_dim: int = 64               # value dimensions
+    noise: float = 0.35               # a query's noise relative to its key (cosine ~.94)
+    trials: int = 3                   # seeded trials a readback averages
+    steps: int = 300                  # training steps of the differentiation probe
+    train_steps: int = 150            # training steps of the trainability screen
+    context: int = 2048               # the locality probe's context (tokens)
+    locality_heads: tuple = (1, 16, 128, 2048)   # head counts the locality probe shards the context into
+    locality_judged: int = 128        # the head count the locality verdict reads (16 tokens a head: not the trivial 1 token a head)
+    lengths: tuple = (256, 512, 1024, 2048)      # lengths the locality probe's cost is measured at
+    PRESETS, SIZE_OF = ("smoke", "cpu", "published"), "battery size"   # core.Presets: preset(name) builds each by its classmethod
+    @classmethod
+    def smoke(cls, **kw):
+        return cls(**{"trials": 1, "steps": 30, "train_steps": 10, "context": 256, "locality_heads": (1, 16, 256), "locality_judged": 16,
+                      "lengths": (64, 128, 256), **kw})
+    @classmethod
+    def cpu(cls, **kw): return cls(**kw)
+    @classmethod
+    def published(cls, **kw): return cls.cpu(**kw)   # the battery is CPU mathematics: the published size is the cpu size
 
 def battery_size(size: str = "smoke" # a run size of core.SIZES
                 ) -> dict:
-    "The battery's dimensions at a run size."
-    if size not in BATTERY_SIZES: raise ValueError(f"unknown battery size {size!r}: one of {list(BATTERY_SIZES)}")
-    return dict(BATTERY_SIZES[size])
+    "The battery's dimensions at a run size, as a dict (an unknown size is an error listing the sizes)."
+    return dataclasses.asdict(BatteryConfig.preset(size))
 
 def check_finite(probe: str, # the probe's name, carried by the error
                  **tensors):
@@ -644,6 +661,7 @@ def print_battery(size: str = "cpu", seed: int = 0,
 # %% ../nbs/10_splat.ipynb #ce78de1b
 SCREEN_ARMS = {   # the paired screens: label -> EncoderConfig.attention (same seed, data, batches and steps for every arm)
     "standard": "sdpa",              # the standard (SDPA) block: the reference the training gauge is matched against
+    "attention-free": "none",        # the control that mixes no tokens (SDPA's parameters): does attention matter on this task at all?
     "collapse": "splat:frozen",      # routing that owns no parameters
     "rope": "splat:rope",            # each cure alone ...
     "frame": "splat:frame",
@@ -652,7 +670,7 @@ SCREEN_ARMS = {   # the paired screens: label -> EncoderConfig.attention (same s
 }
 
 @dataclasses.dataclass(frozen=True)
-class ScreenConfig:
+class ScreenConfig(Presets):
     "The size of the paired screens: the 05_train recipe at that size, the encoder architecture, the arms and what is read."
     name: str = "cpu"                 # the run size
     train_preset: str = "cpu"         # the 05_train preset (its targets, corpus and gauges)
@@ -660,14 +678,13 @@ class ScreenConfig:
     recipe: tuple = (("max_steps", 300), ("warmup_steps", 30), ("eval_every", 25))   # TrainConfig overrides, (key, value) pairs
     arms: tuple = tuple(SCREEN_ARMS)  # the arms screened
     basin_rows: int = 128             # held-out rows the basin gauge reads at every evaluation
-    PRESETS = ("smoke", "cpu")
+    PRESETS, SIZE_OF = ("smoke", "cpu"), "screen size"   # core.Presets: preset(name) builds each by its classmethod (CUDA runs the cpu size)
     @classmethod
-    def preset(cls, name: str, **kw):
-        "A screen size: smoke (the tests) or cpu (keyword overrides allowed)."
-        if name not in cls.PRESETS: raise ValueError(f"unknown screen size {name!r}: one of {list(cls.PRESETS)}")
-        base = {"smoke": {"name": "smoke", "train_preset": "smoke", "encoder": "tiny", "recipe": (("max_steps", 20), ("eval_every", 10)), "basin_rows": 64,
-                         "arms": ("standard", "collapse", "all three")}}   # smoke: the code path, three arms; cpu: every arm
-        return cls(**{**base.get(name, {}), **kw})
+    def smoke(cls, **kw):   # the tests: the code path, four arms
+        return cls(**{"name": "smoke", "train_preset": "smoke", "encoder": "tiny", "recipe": (("max_steps", 20), ("eval_every", 10)), "basin_rows": 64,
+                      "arms": ("standard", "attention-free", "collapse", "all three"), **kw})
+    @classmethod
+    def cpu(cls, **kw): return cls(**kw)   # every arm
     def __post_init__(self):
         bad = [a for a in self.arms if a not in SCREEN_ARMS]
         if bad: raise ValueError(f"unknown screen arms {bad}: the arms are {list(SCREEN_ARMS)}")
@@ -740,17 +757,42 @@ def steps_to_reach(path: list[dict], value: float) -> Optional[int]:
     "The first evaluated step whose training gauge reaches `value` (None if it never does)."
     return next((p["step"] for p in path if p["target_cosine"] >= value), None)
 
-def screen_table(paths: dict # arm -> screen_path(...), with "standard" and "collapse" among them
+ATTENTION_BAND = 0.01   # declared before the attention-free arm's first number: a standard block within .01 target cosine of the control has no room to price a cure in (the six cpu arms already spread .004)
+
+def attention_verdict(paths: dict, # arm -> screen_path(...), with "standard" and "attention-free" among them
+                      band: float = ATTENTION_BAND # the declared band (target cosine)
+                     ) -> dict:
+    "Whether attention matters on the screens' task: the standard block's final training gauge must beat the attention-free control's by more than `band`, at the same step."
+    for need in ("standard", "attention-free"):
+        if need not in paths or not paths[need]:
+            raise ValueError(f"attention verdict: no {need!r} run among {list(paths)}; train the attention-free control beside the standard "
+                             "block before any cure is priced (LAWS.md law 5)")
+    s, a = paths["standard"][-1], paths["attention-free"][-1]
+    if s["step"] != a["step"]:
+        raise ValueError(f"attention verdict: the standard block ends at step {s['step']}, the attention-free control at {a['step']}; "
+                         "compare them at matched budget (finish both runs)")
+    gap = s["target_cosine"] - a["target_cosine"]; matters = gap > band
+    line = (f"attention {'matters' if matters else 'does not matter'} on this task: standard {s['target_cosine']:.4f} vs attention-free "
+            f"{a['target_cosine']:.4f} at step {s['step']} (gap {gap:+.4f}, band {band}); " +
+            ("the collapse and its cures are priced against it" if matters else
+             "the collapse and its cures are not measurable here (no cure is ranked)"))
+    return {"standard": s["target_cosine"], "attention_free": a["target_cosine"], "step": s["step"], "gap": gap, "band": band,
+            "matters": matters, "line": line}
+
+def screen_table(paths: dict, # arm -> screen_path(...), with "standard", "attention-free" and "collapse" among them
+                 band: float = ATTENTION_BAND # the attention verdict's band
                 ) -> list[dict]:
-    "Each arm at matched budget: final training gauge, its fraction of the standard block's, its multiple of the collapse's, the basin gauge."
-    for need in ("standard", "collapse"):
-        if need not in paths or not paths[need]: raise ValueError(f"screen table: no {need!r} run among {list(paths)}; the table is priced against it")
+    "Each arm at matched budget: final training gauge and basin gauge; its fraction of the standard block's and multiple of the collapse's only where the attention verdict says attention matters."
+    verdict = attention_verdict(paths, band)                       # first: is there anything to price?
+    if "collapse" not in paths or not paths["collapse"]: raise ValueError(f"screen table: no 'collapse' run among {list(paths)}; the table is priced against it")
     std, col = paths["standard"][-1]["target_cosine"], paths["collapse"][-1]["target_cosine"]
     out = []
     for arm, p in paths.items():
         if not p: raise ValueError(f"screen table: arm {arm!r} has no evaluation; train it to at least one eval_every")
-        f = p[-1]
+        f, priced = p[-1], verdict["matters"]
         out.append({"arm": arm, "attention": SCREEN_ARMS[arm], "step": f["step"], "target_cosine": f["target_cosine"],
-                    "of_standard": f["target_cosine"] / std if std > 0 else None, "x_collapse": f["target_cosine"] / col if col > 0 else None,
+                    "of_standard": f["target_cosine"] / std if priced and std > 0 else None,
+                    "x_collapse": f["target_cosine"] / col if priced and col > 0 else None,
                     "peak_share": f.get("peak_share"), "anchor_cosine": f.get("anchor_cosine")})
     return out
+

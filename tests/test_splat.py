@@ -79,3 +79,18 @@ def test_the_screens_arms_differ_only_in_attention():
         assert {arm: e.attention for arm, e in encs.items()} == {a: SCREEN_ARMS[a] for a in cfg.arms}
         tcs = {dataclasses.replace(cfg.train_config(arm), name="x") for arm in cfg.arms}
         assert len(tcs) == 1, "the arms of a screen must train with one recipe"
+
+
+def test_the_sizes_come_from_core_presets():
+    "Both configs of 10 dispatch through core.Presets: an unknown name is refused listing the names, and the battery's sizes keep the values they had as a dict."
+    from captionbert.core import Presets
+    from captionbert.splat import BatteryConfig, ScreenConfig, battery_size
+    assert issubclass(ScreenConfig, Presets) and issubclass(BatteryConfig, Presets)
+    with pytest.raises(ValueError, match=r"unknown screen size 'v2': one of \['smoke', 'cpu'\]"): ScreenConfig.preset("v2")
+    with pytest.raises(ValueError, match=r"unknown battery size 'tiny': one of \['smoke', 'cpu', 'published'\]"): battery_size("tiny")
+    base = dict(dim=64, budget=256, items=256, value_dim=64, noise=0.35)
+    assert battery_size("smoke") == dict(base, trials=1, steps=30, train_steps=10, context=256, locality_heads=(1, 16, 256),
+                                         locality_judged=16, lengths=(64, 128, 256))
+    assert battery_size("cpu") == battery_size("published") == dict(base, trials=3, steps=300, train_steps=150, context=2048,
+                                                                     locality_heads=(1, 16, 128, 2048), locality_judged=128,
+                                                                     lengths=(256, 512, 1024, 2048))
