@@ -77,15 +77,23 @@ def test_rotary_export_loaded_as_learned_is_refused(rotary_export):
 
 
 def test_hierarchical_export_serves_like_native():
-    "The third model kind of the rotary card: its value path (given weights, so it matters) travels in the export."
+    """The third model kind of the rotary card: its value path (given weights, so it matters) travels in the export. Once trained,
+    hierarchical is no longer relative: its address is absolute (arange over the padded row), so left padding changes it; born, it is
+    the relative model and left = right."""
     from captionbert.data import load_tokenizer
     from captionbert.hf import SERVING_CASES, export_pretrained, verify_serving
     torch.manual_seed(0)
     model = CaptionEncoder(EncoderConfig.tiny(position="hierarchical", rope_scale=4.0)).eval()
-    with torch.no_grad(): model.positions.value_path.normal_(0, 0.5)
-    rep = verify_serving(model, export_pretrained(model, load_tokenizer(), Path(tempfile.mkdtemp()) / "hier"),
-                         cases=[c for c in SERVING_CASES if c[2] <= 64])
+    short = [c for c in SERVING_CASES if c[2] <= 64]
+    born = {p["name"]: p for p in verify_serving(model, export_pretrained(model, load_tokenizer(), Path(tempfile.mkdtemp()) / "born"),
+                                                 cases=short[:1], save=False).padding}
+    with torch.no_grad(): model.positions.value_path.normal_(0, 0.5)        # trained-like: the address reaches the output
+    rep = verify_serving(model, export_pretrained(model, load_tokenizer(), Path(tempfile.mkdtemp()) / "hier"), cases=short)
     assert rep.passed, rep
+    pad = {p["name"]: p for p in rep.padding}
+    assert born["left_vs_right"]["sentence_max_diff"] < 1e-4, born          # zero-born: the relative model, shift-free
+    assert pad["right_vs_unpadded"]["sentence_max_diff"] < 1e-5, pad        # right padding keeps every real token's address
+    assert pad["left_vs_right"]["sentence_max_diff"] > 1e-2, pad            # left padding moves them: not relative once trained
 
 
 def test_exported_tokenizer_limit_is_the_model_capacity(rotary_export):
