@@ -118,3 +118,42 @@ def test_run_list_parameters_as_papermill_passes_them():
     ns = {}
     exec(PythonTranslator.codify({"seeds": _resolve_type("2")}), ns)          # one value: papermill makes it an int
     assert parameter_list(ns["seeds"], int) == (2,)
+
+
+def _pointer_targets_by_loop(input_ids, kind, token_mask):
+    "The per-word Python reading of encoder.pointer_targets (its first implementation): the reference the vectorized one must equal."
+    out = torch.full(input_ids.shape, -1, dtype=torch.long)
+    ids, kd, tm = input_ids.tolist(), kind.tolist(), token_mask.tolist()
+    for b in range(len(ids)):
+        seen, p, L = {}, 0, len(ids[b])
+        while p < L:
+            if not tm[b][p] or kd[b][p] != 0: p += 1; continue
+            e = p + 1
+            while e < L and tm[b][e] and kd[b][e] == 1: e += 1
+            w = tuple(ids[b][p:e])
+            if w in seen: out[b, p] = seen[w]
+            seen[w] = p; p = e
+    return out
+
+
+def test_pointer_targets_equal_the_per_word_loop():
+    "Random batches over a small vocabulary (many repeats, multi-piece words, '##' after specials and padding, holes in the mask, empty rows)."
+    from captionbert.data import load_tokenizer
+    from captionbert.encoder import pointer_targets, wordpiece_kinds
+    g = torch.Generator().manual_seed(0)
+    multi = 0
+    for trial in range(300):
+        B, L, V = int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(1, 40, (1,), generator=g)), int(torch.randint(3, 16, (1,), generator=g))
+        kind_of = torch.randint(0, 3, (V,), generator=g)
+        ids = torch.randint(0, V, (B, L), generator=g)
+        tm = (torch.arange(L) < torch.randint(0, L + 1, (B, 1), generator=g)) & (torch.rand(B, L, generator=g) > 0.05)   # right padding, some holes
+        kind = kind_of[ids]                                                             # masked positions keep word-like ids: the mask must decide
+        want = _pointer_targets_by_loop(ids, kind, tm)
+        assert torch.equal(pointer_targets(ids, kind, tm), want), (trial, ids, kind, tm)
+        multi += int(((kind[:, :-1] == 0) & (kind[:, 1:] == 1) & tm[:, 1:] & (want[:, :-1] >= 0)).sum())
+    assert multi > 20, multi                                                            # multi-piece words with targets were exercised
+    rows = ["a snowboarder jumps and a snowboarder lands in the snow .", "a dog runs", "the snowboarders and the snowboarder", ""]
+    enc = load_tokenizer()(rows, padding="max_length", max_length=24, return_tensors="pt")
+    ids, tm = enc["input_ids"], enc["attention_mask"].bool(); kind = wordpiece_kinds(30522).long()[ids]
+    got = pointer_targets(ids, kind, tm)
+    assert torch.equal(got, _pointer_targets_by_loop(ids, kind, tm)) and int((got >= 0).sum()) == 3, got   # a, snowboarder; the (snowboarders is another word)
