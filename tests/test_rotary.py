@@ -1,11 +1,10 @@
 """CaptionBERT-8192-rotary beyond its notebook: the released default's count on the meta device, the relative property
 against a learned-position control, an export whose config names learned positions (refused natively and by AutoModel),
-the exported tokenizer's length limit, a serving verifier that fails a perturbed export (and passes the honest one), and
-the Run section's list parameters as papermill hands them over."""
+the exported tokenizer's length limit, a serving verifier that fails a perturbed export (and passes the honest one), a
+hierarchical export (left padding changes it once trained), the Run section's list parameters as papermill hands them over,
+and the vectorized pointer targets against the per-word loop they replaced. Temporary folders are pytest's (cleaned by it)."""
 import json
 import shutil
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,22 +33,22 @@ def test_over_capacity_is_refused():
 
 
 @pytest.fixture(scope="module")
-def rotary_export():
+def rotary_export(tmp_path_factory):
     from captionbert.data import load_tokenizer
     from captionbert.hf import export_pretrained
     torch.manual_seed(0)
     model = CaptionEncoder(EncoderConfig.tiny(position="rotary", rope_scale=4.0, max_positions=8192)).eval()
-    return model, export_pretrained(model, load_tokenizer(), Path(tempfile.mkdtemp()) / "rotary")
+    return model, export_pretrained(model, load_tokenizer(), tmp_path_factory.mktemp("export") / "rotary")
 
 
-def test_verifier_passes_the_export_and_fails_a_perturbed_one(rotary_export):
+def test_verifier_passes_the_export_and_fails_a_perturbed_one(rotary_export, tmp_path):
     from safetensors.torch import load_file, save_file
     from captionbert.hf import SERVING_CASES, SERVING_REPORT, verify_serving
     model, folder = rotary_export
     cases = [c for c in SERVING_CASES if c[2] <= 64]                    # the short cases: the long ones run in 01c and 11
     good = verify_serving(model, folder, cases=cases)
     assert good.passed and all(c["max_diff"] == 0.0 for c in good.cases)
-    broken = Path(tempfile.mkdtemp()) / "perturbed"; shutil.copytree(folder, broken)
+    broken = tmp_path / "perturbed"; shutil.copytree(folder, broken)
     w = load_file(str(broken / "model.safetensors")); w["encoder.final_norm.weight"] += 0.1
     save_file(w, str(broken / "model.safetensors"), metadata={"format": "pt"})
     bad = verify_serving(model, broken, cases=cases)
@@ -57,10 +56,10 @@ def test_verifier_passes_the_export_and_fails_a_perturbed_one(rotary_export):
     assert json.loads((broken / SERVING_REPORT).read_text())["passed"] is False
 
 
-def test_rotary_export_loaded_as_learned_is_refused(rotary_export):
+def test_rotary_export_loaded_as_learned_is_refused(rotary_export, tmp_path):
     from captionbert.hf import load_pretrained
     model, folder = rotary_export
-    other = Path(tempfile.mkdtemp()) / "edited"; shutil.copytree(folder, other)
+    other = tmp_path / "edited"; shutil.copytree(folder, other)
     cfg = json.loads((other / "config.json").read_text()); cfg["encoder"]["position"] = "learned"
     (other / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="weights are of a rotary-position encoder, but this encoder's positions are learned"):
@@ -76,7 +75,7 @@ def test_rotary_export_loaded_as_learned_is_refused(rotary_export):
         load_pretrained(other)
 
 
-def test_hierarchical_export_serves_like_native():
+def test_hierarchical_export_serves_like_native(tmp_path):
     """The third model kind of the rotary card: its value path (given weights, so it matters) travels in the export. Once trained,
     hierarchical is no longer relative: its address is absolute (arange over the padded row), so left padding changes it; born, it is
     the relative model and left = right."""
@@ -85,10 +84,10 @@ def test_hierarchical_export_serves_like_native():
     torch.manual_seed(0)
     model = CaptionEncoder(EncoderConfig.tiny(position="hierarchical", rope_scale=4.0)).eval()
     short = [c for c in SERVING_CASES if c[2] <= 64]
-    born = {p["name"]: p for p in verify_serving(model, export_pretrained(model, load_tokenizer(), Path(tempfile.mkdtemp()) / "born"),
+    born = {p["name"]: p for p in verify_serving(model, export_pretrained(model, load_tokenizer(), tmp_path / "born"),
                                                  cases=short[:1], save=False).padding}
     with torch.no_grad(): model.positions.value_path.normal_(0, 0.5)        # trained-like: the address reaches the output
-    rep = verify_serving(model, export_pretrained(model, load_tokenizer(), Path(tempfile.mkdtemp()) / "hier"), cases=short)
+    rep = verify_serving(model, export_pretrained(model, load_tokenizer(), tmp_path / "hier"), cases=short)
     assert rep.passed, rep
     pad = {p["name"]: p for p in rep.padding}
     assert born["left_vs_right"]["sentence_max_diff"] < 1e-4, born          # zero-born: the relative model, shift-free
