@@ -579,18 +579,25 @@ def pointer_targets(input_ids: torch.Tensor, # [B, L]
                     token_mask: torch.Tensor # [B, L] bool
                    ) -> torch.Tensor:
     "[B, L] for each word start whose whole word occurred earlier in its row: the first piece of the latest earlier occurrence; else -1."
-    out = torch.full(input_ids.shape, -1, dtype=torch.long)
-    ids, kd, tm = input_ids.tolist(), kind.tolist(), token_mask.tolist()
-    for b in range(len(ids)):
-        seen, p, L = {}, 0, len(ids[b])
-        while p < L:
-            if not tm[b][p] or kd[b][p] != 0: p += 1; continue
-            e = p + 1
-            while e < L and tm[b][e] and kd[b][e] == 1: e += 1
-            w = tuple(ids[b][p:e])
-            if w in seen: out[b, p] = seen[w]
-            seen[w] = p; p = e
-    return out.to(input_ids.device)
+    B, L = input_ids.shape; dev = input_ids.device
+    out = torch.full((B, L), -1, dtype=torch.long, device=dev)
+    start = (kind == 0) & token_mask                                   # [B, L] a word's first piece (real tokens only)
+    cont = (kind == 1) & token_mask                                    # [B, L] a '##' piece: it extends the word before it
+    pos = torch.arange(L, device=dev)
+    nxt = torch.where(cont, L, pos).flip(1).cummin(1).values.flip(1)   # [B, L] the first position at or after each that is no '##' piece
+    b, p = start.nonzero(as_tuple=True)                                # [N] every word start, row by row
+    if not len(b): return out
+    n = torch.cat([nxt[:, 1:], nxt.new_full((B, 1), L)], 1)[b, p] - p  # [N] the word's pieces: up to the next position that is no '##' piece
+    wid, V = input_ids[b, p].clone(), int(input_ids.max()) + 1         # [N] the word's identity, so far from its first piece
+    for j in range(1, int(n.max())):                                   # refined by piece j, on the words that long (equal words are equally long)
+        m = (n > j).nonzero().squeeze(1)
+        wid[m] = int(wid.max()) + 1 + torch.unique(wid[m] * V + input_ids[b[m], p[m] + j], return_inverse=True)[1]
+    key = (b * (int(wid.max()) + 1) + wid) * L + p                     # [N] row, whole word, position: one sort lines up each word's occurrences
+    order = key.argsort(); word = key[order] // L
+    same = word[1:] == word[:-1]                                       # the entry before is an earlier occurrence of the same word in the row
+    cur, prev = order[1:][same], order[:-1][same]
+    out[b[cur], p[cur]] = p[prev]
+    return out
 
 def pointer_loss(q: torch.Tensor, k: torch.Tensor, # [B, L, d] the designated head's rotated queries and keys (records normed)
                  targets: torch.Tensor, # [B, L] pointer targets (-1: none)

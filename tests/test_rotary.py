@@ -1,11 +1,10 @@
 """CaptionBERT-8192-rotary beyond its notebook: the released default's count on the meta device, the relative property
 against a learned-position control, an export whose config names learned positions (refused natively and by AutoModel),
-the exported tokenizer's length limit, a serving verifier that fails a perturbed export (and passes the honest one), and
-the Run section's list parameters as papermill hands them over."""
+the exported tokenizer's length limit, a serving verifier that fails a perturbed export (and passes the honest one), a
+hierarchical export (left padding changes it once trained), the Run section's list parameters as papermill hands them over,
+and the vectorized pointer targets against the per-word loop they replaced. Temporary folders are pytest's (cleaned by it)."""
 import json
 import shutil
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,22 +33,22 @@ def test_over_capacity_is_refused():
 
 
 @pytest.fixture(scope="module")
-def rotary_export():
+def rotary_export(tmp_path_factory):
     from captionbert.data import load_tokenizer
     from captionbert.hf import export_pretrained
     torch.manual_seed(0)
     model = CaptionEncoder(EncoderConfig.tiny(position="rotary", rope_scale=4.0, max_positions=8192)).eval()
-    return model, export_pretrained(model, load_tokenizer(), Path(tempfile.mkdtemp()) / "rotary")
+    return model, export_pretrained(model, load_tokenizer(), tmp_path_factory.mktemp("export") / "rotary")
 
 
-def test_verifier_passes_the_export_and_fails_a_perturbed_one(rotary_export):
+def test_verifier_passes_the_export_and_fails_a_perturbed_one(rotary_export, tmp_path):
     from safetensors.torch import load_file, save_file
     from captionbert.hf import SERVING_CASES, SERVING_REPORT, verify_serving
     model, folder = rotary_export
     cases = [c for c in SERVING_CASES if c[2] <= 64]                    # the short cases: the long ones run in 01c and 11
     good = verify_serving(model, folder, cases=cases)
     assert good.passed and all(c["max_diff"] == 0.0 for c in good.cases)
-    broken = Path(tempfile.mkdtemp()) / "perturbed"; shutil.copytree(folder, broken)
+    broken = tmp_path / "perturbed"; shutil.copytree(folder, broken)
     w = load_file(str(broken / "model.safetensors")); w["encoder.final_norm.weight"] += 0.1
     save_file(w, str(broken / "model.safetensors"), metadata={"format": "pt"})
     bad = verify_serving(model, broken, cases=cases)
@@ -57,10 +56,10 @@ def test_verifier_passes_the_export_and_fails_a_perturbed_one(rotary_export):
     assert json.loads((broken / SERVING_REPORT).read_text())["passed"] is False
 
 
-def test_rotary_export_loaded_as_learned_is_refused(rotary_export):
+def test_rotary_export_loaded_as_learned_is_refused(rotary_export, tmp_path):
     from captionbert.hf import load_pretrained
     model, folder = rotary_export
-    other = Path(tempfile.mkdtemp()) / "edited"; shutil.copytree(folder, other)
+    other = tmp_path / "edited"; shutil.copytree(folder, other)
     cfg = json.loads((other / "config.json").read_text()); cfg["encoder"]["position"] = "learned"
     (other / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="weights are of a rotary-position encoder, but this encoder's positions are learned"):
@@ -76,16 +75,24 @@ def test_rotary_export_loaded_as_learned_is_refused(rotary_export):
         load_pretrained(other)
 
 
-def test_hierarchical_export_serves_like_native():
-    "The third model kind of the rotary card: its value path (given weights, so it matters) travels in the export."
+def test_hierarchical_export_serves_like_native(tmp_path):
+    """The third model kind of the rotary card: its value path (given weights, so it matters) travels in the export. Once trained,
+    hierarchical is no longer relative: its address is absolute (arange over the padded row), so left padding changes it; born, it is
+    the relative model and left = right."""
     from captionbert.data import load_tokenizer
     from captionbert.hf import SERVING_CASES, export_pretrained, verify_serving
     torch.manual_seed(0)
     model = CaptionEncoder(EncoderConfig.tiny(position="hierarchical", rope_scale=4.0)).eval()
-    with torch.no_grad(): model.positions.value_path.normal_(0, 0.5)
-    rep = verify_serving(model, export_pretrained(model, load_tokenizer(), Path(tempfile.mkdtemp()) / "hier"),
-                         cases=[c for c in SERVING_CASES if c[2] <= 64])
+    short = [c for c in SERVING_CASES if c[2] <= 64]
+    born = {p["name"]: p for p in verify_serving(model, export_pretrained(model, load_tokenizer(), tmp_path / "born"),
+                                                 cases=short[:1], save=False).padding}
+    with torch.no_grad(): model.positions.value_path.normal_(0, 0.5)        # trained-like: the address reaches the output
+    rep = verify_serving(model, export_pretrained(model, load_tokenizer(), tmp_path / "hier"), cases=short)
     assert rep.passed, rep
+    pad = {p["name"]: p for p in rep.padding}
+    assert born["left_vs_right"]["sentence_max_diff"] < 1e-4, born          # zero-born: the relative model, shift-free
+    assert pad["right_vs_unpadded"]["sentence_max_diff"] < 1e-5, pad        # right padding keeps every real token's address
+    assert pad["left_vs_right"]["sentence_max_diff"] > 1e-2, pad            # left padding moves them: not relative once trained
 
 
 def test_exported_tokenizer_limit_is_the_model_capacity(rotary_export):
@@ -110,3 +117,42 @@ def test_run_list_parameters_as_papermill_passes_them():
     ns = {}
     exec(PythonTranslator.codify({"seeds": _resolve_type("2")}), ns)          # one value: papermill makes it an int
     assert parameter_list(ns["seeds"], int) == (2,)
+
+
+def _pointer_targets_by_loop(input_ids, kind, token_mask):
+    "The per-word Python reading of encoder.pointer_targets (its first implementation): the reference the vectorized one must equal."
+    out = torch.full(input_ids.shape, -1, dtype=torch.long)
+    ids, kd, tm = input_ids.tolist(), kind.tolist(), token_mask.tolist()
+    for b in range(len(ids)):
+        seen, p, L = {}, 0, len(ids[b])
+        while p < L:
+            if not tm[b][p] or kd[b][p] != 0: p += 1; continue
+            e = p + 1
+            while e < L and tm[b][e] and kd[b][e] == 1: e += 1
+            w = tuple(ids[b][p:e])
+            if w in seen: out[b, p] = seen[w]
+            seen[w] = p; p = e
+    return out
+
+
+def test_pointer_targets_equal_the_per_word_loop():
+    "Random batches over a small vocabulary (many repeats, multi-piece words, '##' after specials and padding, holes in the mask, empty rows)."
+    from captionbert.data import load_tokenizer
+    from captionbert.encoder import pointer_targets, wordpiece_kinds
+    g = torch.Generator().manual_seed(0)
+    multi = 0
+    for trial in range(300):
+        B, L, V = int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(1, 40, (1,), generator=g)), int(torch.randint(3, 16, (1,), generator=g))
+        kind_of = torch.randint(0, 3, (V,), generator=g)
+        ids = torch.randint(0, V, (B, L), generator=g)
+        tm = (torch.arange(L) < torch.randint(0, L + 1, (B, 1), generator=g)) & (torch.rand(B, L, generator=g) > 0.05)   # right padding, some holes
+        kind = kind_of[ids]                                                             # masked positions keep word-like ids: the mask must decide
+        want = _pointer_targets_by_loop(ids, kind, tm)
+        assert torch.equal(pointer_targets(ids, kind, tm), want), (trial, ids, kind, tm)
+        multi += int(((kind[:, :-1] == 0) & (kind[:, 1:] == 1) & tm[:, 1:] & (want[:, :-1] >= 0)).sum())
+    assert multi > 20, multi                                                            # multi-piece words with targets were exercised
+    rows = ["a snowboarder jumps and a snowboarder lands in the snow .", "a dog runs", "the snowboarders and the snowboarder", ""]
+    enc = load_tokenizer()(rows, padding="max_length", max_length=24, return_tensors="pt")
+    ids, tm = enc["input_ids"], enc["attention_mask"].bool(); kind = wordpiece_kinds(30522).long()[ids]
+    got = pointer_targets(ids, kind, tm)
+    assert torch.equal(got, _pointer_targets_by_loop(ids, kind, tm)) and int((got >= 0).sum()) == 3, got   # a, snowboarder; the (snowboarders is another word)
