@@ -155,12 +155,15 @@ def param_groups(model: torch.nn.Module, # the model being trained
     named = [(n, p) for n, p in _unwrap(model).named_parameters()]
     rest = {n: p for n, p in named if p.requires_grad}
     if not rest: raise ValueError("the model has no trainable parameters")
-    scaled = []
+    scaled, claimed = [], {}
     for suffix, m in cfg.lr_scales:
         hit = [n for n, _ in named if n == suffix or n.endswith("." + suffix)]
         if not hit: raise ValueError(f"lr_scales names {suffix!r}, which matches no parameter of {type(_unwrap(model)).__name__} "
                                      f"(its names end e.g. {sorted({n.rsplit('.', 1)[-1] for n, _ in named})[:8]})")
+        taken = sorted({claimed[n] for n in hit if n in claimed})
+        if taken: raise ValueError(f"lr_scales: {suffix!r} names parameters an earlier entry {taken} already scales; give each parameter one multiplier")
         ps = [rest.pop(n) for n in hit if n in rest]            # frozen ones (e.g. anchors frozen at birth) stay frozen
+        claimed.update({n: suffix for n in hit})
         if ps: scaled.append({"params": ps, "lr": cfg.lr * m, "name": suffix})
     groups = [{"params": list(rest.values()), "lr": cfg.lr, "name": "recipe"}] + scaled
     return [g for g in groups if g["params"]]
@@ -225,7 +228,9 @@ def check_resume_config(old: dict, # the checkpoint's run config
         head, _, name = k.rpartition(".")
         return k not in was and k in now and name in defaults.get(head, {}) and now[k] == defaults[head][name]
     changes = {k: v for k, v in config_changes(old, new).items() if not added_at_default(k)}
-    def allowed(k): return (allow_changes is True or k.split(".")[0] in WHERE_KEYS
+    def allowed(k):
+        if k == "train.lr_scales" or k.startswith("train.lr_scales."): return False   # the optimizer's groups are restored as saved: never changed on resume
+        return (allow_changes is True or k.split(".")[0] in WHERE_KEYS
                             or any(k == a or k.endswith("." + a) for a in (allow_changes or ())))
     refused = {k: v for k, v in changes.items() if not allowed(k)}
     if refused:
@@ -288,6 +293,8 @@ def train(model: torch.nn.Module, # the model (its parameters that require grad 
                              "range would reprint the old run's metrics as new (LAWS.md law 16); raise max_steps (with "
                              "allow_changes={'max_steps'}) or start a new run directory.")
         _unwrap(model).load_state_dict(ck["model"]); opt.load_state_dict(ck["optimizer"]); sched.load_state_dict(ck["scheduler"])
+        sched.base_lrs = [g["lr"] for g in param_groups(model, cfg)]   # this call's lr (an allowed change takes effect), not the saved one
+        for g, b in zip(opt.param_groups, sched.base_lrs): g["initial_lr"], g["lr"] = b, b * sched.lr_lambdas[0](sched.last_epoch)
         scaler.load_state_dict(ck["scaler"]); _set_rng_state(ck["rng"]); start, best = ck["step"], ck.get("best")
         if rank == 0:
             log = run / RESUME_LOG
