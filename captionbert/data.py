@@ -129,9 +129,11 @@ class HubCaptions:
                  revision: str | None = None, # branch, tag or commit to pin; None = the default branch, resolved on first use
                  limit: int | None = None, # stop after this many rows
                  streaming: bool = True, # stream rather than download
-                 resolver=None # (name, revision) -> commit sha; None = resolve_hub_revision (asks the hub)
+                 resolver=None, # (name, revision) -> commit sha; None = resolve_hub_revision (asks the hub)
+                 config: str | None = None # the dataset's config name (e.g. WikiText's "wikitext-103-raw-v1"); None = its only one
                 ):
         self.hub_name, self.column, self.split, self.revision, self.limit, self.streaming = name, column, split, revision, limit, streaming
+        self.config = config
         self.resolver, self._commit = resolver or resolve_hub_revision, None
     @property
     def commit(self) -> str:
@@ -139,33 +141,36 @@ class HubCaptions:
         if self._commit is None: self._commit = self.resolver(self.hub_name, self.revision)
         return self._commit
     @property
+    def _cfg(self) -> str: return f"#{self.config}" if self.config else ""     # the spec grammar's config part
+    @property
     def name(self) -> str:
-        "Dataset, resolved commit (12 hex), column, split and limit: what the content is, for file names and manifests."
-        return f"{self.hub_name}@{self.commit[:12]}:{self.column}:{self.split}" + (f"[:{self.limit}]" if self.limit else "")
+        "Dataset, resolved commit (12 hex), config, column, split and limit: what the content is, for file names and manifests."
+        return f"{self.hub_name}@{self.commit[:12]}{self._cfg}:{self.column}:{self.split}" + (f"[:{self.limit}]" if self.limit else "")
     @property
     def spec(self) -> str:
         "The open_captions spec pinned at the resolved commit: it reopens the same rows whatever the branch does later."
-        return f"hub:{self.hub_name}@{self.commit}:{self.column}:{self.split}"
+        return f"hub:{self.hub_name}@{self.commit}{self._cfg}:{self.column}:{self.split}"
     def describe(self) -> dict:
-        "The record that reopens exactly these captions: dataset, revision asked, commit resolved, split, column, limit."
-        return {"kind": "hub", "hub_name": self.hub_name, "revision": self.revision, "commit": self.commit, "split": self.split,
-                "column": self.column, "limit": self.limit, "spec": self.spec, "fingerprint": self.fingerprint}
+        "The record that reopens exactly these captions: dataset, revision asked, commit resolved, config, split, column, limit."
+        return {"kind": "hub", "hub_name": self.hub_name, "revision": self.revision, "commit": self.commit, "config": self.config,
+                "split": self.split, "column": self.column, "limit": self.limit, "spec": self.spec, "fingerprint": self.fingerprint}
     @property
     def fingerprint(self) -> str:
-        "Hash of what names the content: dataset, resolved commit, split, column and limit."
-        return sha256_bytes(f"{self.hub_name}@{self.commit}:{self.split}:{self.column}:{self.limit}".encode())
+        "Hash of what names the content: dataset, resolved commit, config (when named), split, column and limit."
+        return sha256_bytes(f"{self.hub_name}@{self.commit}{self._cfg}:{self.split}:{self.column}:{self.limit}".encode())
     def __len__(self):
         if self.limit is None: raise TypeError("a streamed hub source has no known length; pass limit=")
         return self.limit
     def __iter__(self) -> Iterator[str]:
         from datasets import load_dataset
-        ds = load_dataset(self.hub_name, split=self.split, revision=self.commit, streaming=self.streaming)
+        ds = load_dataset(self.hub_name, self.config, split=self.split, revision=self.commit, streaming=self.streaming)
         for i, row in enumerate(ds):
             if self.limit is not None and i >= self.limit: break
             yield str(row[self.column])
     def __repr__(self):
         at = f"commit {self._commit[:12]}" if self._commit else "commit not resolved yet"
-        return (f"HubCaptions({self.hub_name}, revision={self.revision or 'default branch'}, {at}, column={self.column}, "
+        return (f"HubCaptions({self.hub_name}, revision={self.revision or 'default branch'}, {at}, "
+                + (f"config={self.config}, " if self.config else "") + f"column={self.column}, "
                 f"split={self.split}" + (f", limit={self.limit})" if self.limit else ")"))
 
 # %% ../nbs/01_data.ipynb #d11618e7
@@ -239,9 +244,9 @@ class SceneGrammar:
 
 # %% ../nbs/01_data.ipynb #14412c9f
 SYNTHETIC_SPEC = re.compile(r"synthetic(?::([1-9][0-9]*))?")          # the whole spec: "synthetic" or "synthetic:N"
-HUB_SPEC = re.compile(r"hub:([^:@]+)(?:@([^:@]+))?:([^:]+)(?::([^:]+))?")  # hub:<dataset>[@<revision>]:<column>[:<split>]
+HUB_SPEC = re.compile(r"hub:([^:@#]+)(?:@([^:@#]+))?(?:#([^:@#]+))?:([^:]+)(?::([^:]+))?")  # hub:<dataset>[@<revision>][#<config>]:<column>[:<split>]
 
-def open_captions(spec: str | Path, # "synthetic[:N]", "hub:<dataset>[@<revision>]:<column>[:<split>]", or a file path
+def open_captions(spec: str | Path, # "synthetic[:N]", "hub:<dataset>[@<revision>][#<config>]:<column>[:<split>]", or a file path
                   limit: int | None = None, # keep only the first `limit` captions
                   seed: int = 0, # grammar seed for "synthetic"
                   resolver=None # hub specs only: (name, revision) -> commit sha (see HubCaptions)
@@ -253,9 +258,9 @@ def open_captions(spec: str | Path, # "synthetic[:N]", "hub:<dataset>[@<revision
         return SceneGrammar(n=min(n, limit) if limit else n, seed=seed)
     if not isinstance(spec, Path) and s.startswith("hub:"):
         m = HUB_SPEC.fullmatch(s)
-        if m is None: raise ValueError(f"hub captions are 'hub:<dataset>[@<revision>]:<column>[:<split>]', got {s!r}")
-        name, revision, column, split = m.groups()
-        return HubCaptions(name, column, split=split or "train", revision=revision, limit=limit, resolver=resolver)
+        if m is None: raise ValueError(f"hub captions are 'hub:<dataset>[@<revision>][#<config>]:<column>[:<split>]', got {s!r}")
+        name, revision, config, column, split = m.groups()
+        return HubCaptions(name, column, split=split or "train", revision=revision, limit=limit, resolver=resolver, config=config)
     if not isinstance(spec, Path) and s.startswith("synthetic:") and not Path(s).exists():
         raise ValueError(f"synthetic captions are 'synthetic' or 'synthetic:N' with N a positive whole number; {s!r} is neither, nor a file")
     return TextFileCaptions(s, limit=limit)
@@ -269,7 +274,8 @@ def reopen_captions(record: dict, # a source's describe() record (targets.json k
         src = SceneGrammar(n=record["n"], seed=record["seed"], max_objects=record["max_objects"], p_attribute=record["p_attribute"])
         advice = "the scene grammar's code changed since; rebuild the targets"
     elif kind == "hub":
-        src = HubCaptions(record["hub_name"], record["column"], split=record["split"], revision=record["commit"], limit=record["limit"])
+        src = HubCaptions(record["hub_name"], record["column"], split=record["split"], revision=record["commit"], limit=record["limit"],
+                          config=record.get("config"))
         advice = f"the rows at commit {record['commit'][:12]} are not the rows recorded; open them with the pinned spec {record['spec']!r}"
     elif kind == "file":
         p = Path(record["path"])
