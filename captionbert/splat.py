@@ -529,36 +529,29 @@ class SplatAttention(nn.Module):
         return f"SplatAttention({self.heads} heads x {self.cells} cells, {'+'.join(parts)})"
 
 # %% ../nbs/10_splat.ipynb #209d7baa
-def _status_kb(key: str) -> Optional[int]:
-    try: line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(key + ":"))
-    except (OSError, StopIteration): return None
-    return int(line.split()[1])
-
-def measure(fn: Callable, # the work (called `repeats` times)
+def measure(fn: Callable, # the work (called `repeats` times untimed by the meter, then once under it)
             repeats: int = 2) -> dict:
-    "Best wall time of `fn` and the peak resident memory it added (MB; VmHWM reset through /proc/self/clear_refs; None where Linux offers no such reset)."
-    gc.collect()
-    try: Path("/proc/self/clear_refs").write_text("5"); base = _status_kb("VmRSS")
-    except OSError: base = None
+    "Best wall time of `fn` (seconds) and the peak bytes of tensors alive at once among those its ops allocate (`peak_live_bytes`, measured apart from the timing)."
     best = math.inf
     for _ in range(repeats):
         t0 = time.perf_counter(); fn(); best = min(best, time.perf_counter() - t0)
-    peak = _status_kb("VmHWM") if base is not None else None
-    return {"seconds": best, "peak_mb": None if peak is None or base is None else round((peak - base) / 1024, 1)}
+    _, peak = peak_live_bytes(fn)                                          # the module's one memory meter (the locality probe reads it too)
+    return {"seconds": best, "peak_bytes": peak}
 
 def scaling_benchmark(lengths: Sequence[int] = (256, 512, 1024, 2048, 4096, 8192), # sequence lengths
                       kinds: Sequence[str] = ("sdpa", "splat"), # attention kinds (EncoderConfig.attention)
                       arch: str = "cpu", # the EncoderConfig architecture whose attention is timed (cpu: hidden 256, 4 heads)
                       batch: int = 1, repeats: int = 2, seed: int = 0,
                       threads: Optional[int] = 1, # torch intra-op threads while timing (None: leave as is)
+                      need_weights: bool = False, # call the modules' explicit path (SDPA then builds its [B, H, L, L] weights: the meter's quadratic check)
                       progress: bool = True) -> list[dict]:
-    "Forward time and peak memory of one attention module of each kind at each length, on CPU, without gradients."
+    "Forward time and peak live tensor bytes of one attention module of each kind at each length, on CPU, without gradients."
     was = torch.get_num_threads()
     if threads: torch.set_num_threads(threads)
-    try: return _scaling(lengths, kinds, arch, batch, repeats, seed, progress)
+    try: return _scaling(lengths, kinds, arch, batch, repeats, seed, need_weights, progress)
     finally: torch.set_num_threads(was)
 
-def _scaling(lengths, kinds, arch, batch, repeats, seed, progress):
+def _scaling(lengths, kinds, arch, batch, repeats, seed, need_weights, progress):
     rows = []
     for L in lengths:
         if L < 1: raise ValueError(f"scaling benchmark: lengths must be positive, got {L}")
@@ -566,9 +559,9 @@ def _scaling(lengths, kinds, arch, batch, repeats, seed, progress):
         for kind in kinds:
             cfg = EncoderConfig.preset(arch, attention=kind)
             torch.manual_seed(seed); mod = ATTENTION_KINDS[attention_kind(kind)](cfg).eval()
-            with torch.no_grad(): r = measure(lambda: mod(x, None, NoPositions(cfg)), repeats)
+            with torch.no_grad(): r = measure(lambda: mod(x, None, NoPositions(cfg), need_weights), repeats)
             rows.append({"length": L, "kind": kind, **r})
-            if progress: print(f"L={L:>5} {kind:>6}: {r['seconds'] * 1e3:8.1f} ms, peak +{r['peak_mb']} MB", flush=True)
+            if progress: print(f"L={L:>5} {kind:>6}: {r['seconds'] * 1e3:8.1f} ms, peak live {r['peak_bytes'] / 2**20:.2f} MB", flush=True)
     return rows
 
 def slope(rows: list[dict], kind: str, key: str = "seconds") -> float:
