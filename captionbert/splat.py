@@ -781,7 +781,8 @@ def steps_to_reach(path: list[dict], value: float) -> Optional[int]:
 ATTENTION_BAND = 0.01   # declared before the attention-free arm's first number: a standard block within .01 target cosine of the control has no room to price a cure in (the six cpu arms already spread .004)
 
 def attention_verdict(paths: dict, # arm -> screen_path(...), with "standard" and "attention-free" among them
-                      band: float = ATTENTION_BAND # the declared band (target cosine)
+                      band: float = ATTENTION_BAND, # the declared band (target cosine)
+                      seed: Optional[int] = None # the screens' seed, named by the line (None: not named)
                      ) -> dict:
     "Whether attention matters on the screens' task: the standard block's final training gauge must beat the attention-free control's by more than `band`, at the same step."
     for need in ("standard", "attention-free"):
@@ -792,13 +793,16 @@ def attention_verdict(paths: dict, # arm -> screen_path(...), with "standard" an
     if s["step"] != a["step"]:
         raise ValueError(f"attention verdict: the standard block ends at step {s['step']}, the attention-free control at {a['step']}; "
                          "compare them at matched budget (finish both runs)")
-    gap = s["target_cosine"] - a["target_cosine"]; matters = gap > band
-    line = (f"attention {'matters' if matters else 'does not matter'} on this task: standard {s['target_cosine']:.4f} vs attention-free "
-            f"{a['target_cosine']:.4f} at step {s['step']} (gap {gap:+.4f}, band {band}); " +
+    gap = s["target_cosine"] - a["target_cosine"]; matters, control_wins = gap > band, gap < -band
+    reading = ("attention matters on this task" if matters else
+               "the attention-free control beats the standard block" if control_wins else
+               "no measurable effect of attention at this size and budget" + ("" if seed is None else f" (seed {seed})"))
+    line = (f"{reading}: standard {s['target_cosine']:.4f} vs attention-free {a['target_cosine']:.4f} at step {s['step']} "
+            f"(gap {gap:+.4f}, band {band}); " +
             ("the collapse and its cures are priced against it" if matters else
              "the collapse and its cures are not measurable here (no cure is ranked)"))
     return {"standard": s["target_cosine"], "attention_free": a["target_cosine"], "step": s["step"], "gap": gap, "band": band,
-            "matters": matters, "line": line}
+            "matters": matters, "control_wins": control_wins, "line": line}
 
 def screen_table(paths: dict, # arm -> screen_path(...), with "standard", "attention-free" and "collapse" among them
                  band: float = ATTENTION_BAND # the attention verdict's band
