@@ -23,15 +23,15 @@ from .encoder import ATTENTION_KINDS, ROUTERS, CaptionEncoder, EncoderConfig, No
 
 # %% auto #0
 __all__ = ['BATTERY_TAU', 'BATTERY_TAUS', 'PUBLISHED', 'PRODUCT_CODE_PUBLISHED', 'BLEND_PUBLISHED', 'TAU_BOUND', 'SPLAT_CURES',
-           'SPLAT_CELLS', 'SPLAT_TAU', 'SCREEN_ARMS', 'ATTENTION_BAND', 'BatteryConfig', 'battery_size', 'check_finite',
-           'split_budget', 'codebooks', 'address', 'write', 'read', 'top1', 'items', 'two_seeds', 'peak_live_bytes',
-           'Verdict', 'run_probe', 'tau_sweep', 'probe_product_code', 'product_code_bar', 'product_code_rule',
-           'opinion_similarity', 'probe_differentiation', 'differentiation_rule', 'probe_blend_select', 'blend_rule',
-           'probe_partitions', 'storage_rule', 'resolution_rule', 'probe_locality', 'locality_rule',
-           'probe_signed_softmax', 'signed_rule', 'splat_options', 'SplatAttention', 'measure', 'scaling_benchmark',
-           'slope', 'block_readback', 'probe_trainability', 'trainability_rule', 'print_battery', 'ScreenConfig',
-           'basin_gauge', 'basin_extra', 'screen_dir', 'train_screen', 'screen_path', 'steps_to_reach',
-           'attention_verdict', 'screen_table']
+           'SPLAT_CELLS', 'SPLAT_TAU', 'TRAINABILITY_FLOOR', 'SCREEN_ARMS', 'ATTENTION_BAND', 'BatteryConfig',
+           'battery_size', 'check_finite', 'split_budget', 'codebooks', 'address', 'write', 'read', 'top1', 'items',
+           'two_seeds', 'peak_live_bytes', 'Verdict', 'run_probe', 'tau_sweep', 'probe_product_code',
+           'product_code_bar', 'product_code_rule', 'opinion_similarity', 'probe_differentiation',
+           'differentiation_rule', 'probe_blend_select', 'blend_rule', 'probe_partitions', 'storage_rule',
+           'resolution_rule', 'probe_locality', 'locality_rule', 'probe_signed_softmax', 'signed_rule', 'splat_options',
+           'SplatAttention', 'measure', 'scaling_benchmark', 'slope', 'block_readback', 'probe_trainability',
+           'trainability_rule', 'print_battery', 'ScreenConfig', 'basin_gauge', 'basin_extra', 'screen_dir',
+           'train_screen', 'screen_path', 'steps_to_reach', 'attention_verdict', 'screen_table']
 
 # %% ../nbs/10_splat.ipynb #39c5ebcd
 BATTERY_TAU = 0.02         # the temperature every verdict uses: declared in this notebook's first version (the article states none for its battery)
@@ -219,6 +219,7 @@ def run_probe(name: str, # one of PUBLISHED's probes
         c = {**r, "order": r["order"][::-1]}                               # the same numbers, the roles of the two rules reversed
     elif name == "trainability":
         r = probe_trainability(size, seed)
+        r["first_rule"] = {"passed": trainability_rule(r, free=None), "control_passed": trainability_rule(r, "splat", "splat:frozen", free=None)}   # printed beside (raw gains)
         return Verdict(name, r, trainability_rule.__doc__, trainability_rule(r), {"judged": "splat", "against": "splat:frozen"},
                        trainability_rule(r, "splat", "splat:frozen"), PUBLISHED[name], SPLAT_TAU)
     else: raise ValueError(f"unknown probe {name!r}; the probes are {list(PUBLISHED)}")
@@ -529,36 +530,29 @@ class SplatAttention(nn.Module):
         return f"SplatAttention({self.heads} heads x {self.cells} cells, {'+'.join(parts)})"
 
 # %% ../nbs/10_splat.ipynb #209d7baa
-def _status_kb(key: str) -> Optional[int]:
-    try: line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(key + ":"))
-    except (OSError, StopIteration): return None
-    return int(line.split()[1])
-
-def measure(fn: Callable, # the work (called `repeats` times)
+def measure(fn: Callable, # the work (called `repeats` times untimed by the meter, then once under it)
             repeats: int = 2) -> dict:
-    "Best wall time of `fn` and the peak resident memory it added (MB; VmHWM reset through /proc/self/clear_refs; None where Linux offers no such reset)."
-    gc.collect()
-    try: Path("/proc/self/clear_refs").write_text("5"); base = _status_kb("VmRSS")
-    except OSError: base = None
+    "Best wall time of `fn` (seconds) and the peak bytes of tensors alive at once among those its ops allocate (`peak_live_bytes`, measured apart from the timing)."
     best = math.inf
     for _ in range(repeats):
         t0 = time.perf_counter(); fn(); best = min(best, time.perf_counter() - t0)
-    peak = _status_kb("VmHWM") if base is not None else None
-    return {"seconds": best, "peak_mb": None if peak is None or base is None else round((peak - base) / 1024, 1)}
+    _, peak = peak_live_bytes(fn)                                          # the module's one memory meter (the locality probe reads it too)
+    return {"seconds": best, "peak_bytes": peak}
 
 def scaling_benchmark(lengths: Sequence[int] = (256, 512, 1024, 2048, 4096, 8192), # sequence lengths
                       kinds: Sequence[str] = ("sdpa", "splat"), # attention kinds (EncoderConfig.attention)
                       arch: str = "cpu", # the EncoderConfig architecture whose attention is timed (cpu: hidden 256, 4 heads)
                       batch: int = 1, repeats: int = 2, seed: int = 0,
                       threads: Optional[int] = 1, # torch intra-op threads while timing (None: leave as is)
+                      need_weights: bool = False, # call the modules' explicit path (SDPA then builds its [B, H, L, L] weights: the meter's quadratic check)
                       progress: bool = True) -> list[dict]:
-    "Forward time and peak memory of one attention module of each kind at each length, on CPU, without gradients."
+    "Forward time and peak live tensor bytes of one attention module of each kind at each length, on CPU, without gradients."
     was = torch.get_num_threads()
     if threads: torch.set_num_threads(threads)
-    try: return _scaling(lengths, kinds, arch, batch, repeats, seed, progress)
+    try: return _scaling(lengths, kinds, arch, batch, repeats, seed, need_weights, progress)
     finally: torch.set_num_threads(was)
 
-def _scaling(lengths, kinds, arch, batch, repeats, seed, progress):
+def _scaling(lengths, kinds, arch, batch, repeats, seed, need_weights, progress):
     rows = []
     for L in lengths:
         if L < 1: raise ValueError(f"scaling benchmark: lengths must be positive, got {L}")
@@ -566,9 +560,9 @@ def _scaling(lengths, kinds, arch, batch, repeats, seed, progress):
         for kind in kinds:
             cfg = EncoderConfig.preset(arch, attention=kind)
             torch.manual_seed(seed); mod = ATTENTION_KINDS[attention_kind(kind)](cfg).eval()
-            with torch.no_grad(): r = measure(lambda: mod(x, None, NoPositions(cfg)), repeats)
+            with torch.no_grad(): r = measure(lambda: mod(x, None, NoPositions(cfg), need_weights), repeats)
             rows.append({"length": L, "kind": kind, **r})
-            if progress: print(f"L={L:>5} {kind:>6}: {r['seconds'] * 1e3:8.1f} ms, peak +{r['peak_mb']} MB", flush=True)
+            if progress: print(f"L={L:>5} {kind:>6}: {r['seconds'] * 1e3:8.1f} ms, peak live {r['peak_bytes'] / 2**20:.2f} MB", flush=True)
     return rows
 
 def slope(rows: list[dict], kind: str, key: str = "seconds") -> float:
@@ -590,10 +584,8 @@ def block_readback(attn: SplatAttention, # a splat block (its own addresses and 
         reads = torch.einsum("hla,had->hld", wk[0], torch.einsum("hla,ld->had", wk[0], v))   # [H, L, hd]
     return sum(top1(r, v) for r in reads) / attn.heads
 
-def probe_trainability(size: str = "smoke", seed: int = 0,
-                       kinds: Sequence[str] = ("splat:frozen", "splat", "sdpa"), # the students (the first is the one judged)
-                       seq: int = 8, vocab: int = 16) -> dict:
-    "Static readback of each splat student at birth, and its fit (cosine) to a random table of its first two tokens' pair, before and after training."
+def _students(size, seed, kinds, seq, vocab) -> dict:
+    "One seed of the screen: each student's static readback at birth (splat blocks only) and its fit before and after training."
     s = battery_size(size); steps = s["train_steps"]
     g = torch.Generator().manual_seed(seed)
     table = F.normalize(torch.randn(vocab, vocab, EncoderConfig.tiny().out_dim, generator=g), dim=-1)   # [V, V, O] a target per pair
@@ -612,10 +604,35 @@ def probe_trainability(size: str = "smoke", seed: int = 0,
         with torch.no_grad(): out[kind] = {"static_readback": static, "before": before, "after": float(fit(test_ids))}
     return out
 
-def trainability_rule(r: dict, judged: str = "splat:frozen", against: str = "splat") -> bool:
-    "The bar: the judged block passes the static readback (>= .5) yet gains at most half the held-out cosine the other gains."
-    j, a = r[judged], r[against]
-    return j["static_readback"] is not None and j["static_readback"] >= 0.5 and (j["after"] - j["before"]) <= 0.5 * (a["after"] - a["before"])
+TRAINABILITY_FLOOR = "none"   # the attention-free student (01b's TokenLocal) whose gain every gain is judged above (protocol change 3)
+
+def probe_trainability(size: str = "smoke", seed: int = 0,
+                       kinds: Sequence[str] = ("splat:frozen", "splat", "sdpa", TRAINABILITY_FLOOR), # the students (the first is the one judged)
+                       seq: int = 8, vocab: int = 16) -> dict:
+    "Each student's static readback at birth and its fit (cosine) to a random table of its first two tokens' pair before and after training, the mean of two seeds; the seed-noise floor is the largest two-seed disagreement of any student's gain."
+    runs = {}
+    def at(sd):
+        runs[sd] = r = _students(size, sd, kinds, seq, vocab)
+        return {k: x["after"] - x["before"] for k, x in r.items()}
+    g = two_seeds(at, seed)
+    mean = lambda k, f: None if any(r[k][f] is None for r in runs.values()) else sum(r[k][f] for r in runs.values()) / len(runs)
+    return {"students": {k: {"static_readback": mean(k, "static_readback"), "before": mean(k, "before"), "after": mean(k, "after"),
+                             "gain": g["mean"][k]} for k in kinds},
+            "floor": g["floor"]}
+
+def trainability_rule(r: dict, judged: str = "splat:frozen", against: str = "splat",
+                      free: Optional[str] = TRAINABILITY_FLOOR # the attention-free student the gains are read above (None: the first rule, raw gains)
+                     ) -> bool:
+    "The bar: the judged block passes the static readback (>= .5) yet gains, above the attention-free student's gain, at most half what the other gains above it, and the other's gain above it exceeds the seed-noise floor."
+    s = r["students"]
+    for k in (judged, against) + ((free,) if free else ()):
+        if k not in s: raise ValueError(f"trainability: no student {k!r} among {list(s)}; train it beside the others (probe_trainability's kinds)")
+    j, a = s[judged], s[against]
+    if j["static_readback"] is None or j["static_readback"] < 0.5: return False
+    if free is None: return j["gain"] <= 0.5 * a["gain"]                 # the first rule: raw gains, no attention-free floor
+    f = s[free]["gain"]
+    return j["gain"] - f <= 0.5 * (a["gain"] - f) and a["gain"] - f > r["floor"]
+
 
 # %% ../nbs/10_splat.ipynb #256c7780
 def _brief(v: Verdict) -> str:
@@ -636,8 +653,12 @@ def _brief(v: Verdict) -> str:
                 + ", ".join(f"L={L}: {x['peak_bytes']} measured vs {x['cells_bytes']} cells" for L, x in c.items())
                 + f"); control: {v.control['heads'][n['judged']]['top1']:.4f}, time slope {v.control['time_slope']:.2f}")
     if v.probe == "signed vs softmax": return ", ".join(f"{k} {x:.3f}" for k, x in n["readback"].items()) + f"; floor {n['floor']:.3f}"
-    return ", ".join(f"{k}: static {x['static_readback'] if x['static_readback'] is None else round(x['static_readback'], 3)}, "
-                     f"cos {x['before']:.3f} -> {x['after']:.3f}" for k, x in n.items())
+    st, f, fr = n["students"], n["floor"], TRAINABILITY_FLOOR
+    return (", ".join(f"{k}: static {x['static_readback'] if x['static_readback'] is None else round(x['static_readback'], 3)}, "
+                      f"cos {x['before']:.3f} -> {x['after']:.3f} (gain {x['gain']:+.3f})" for k, x in st.items())
+            + f"; above the attention-free '{fr}': " + ", ".join(f"{k} {x['gain'] - st[fr]['gain']:+.3f}" for k, x in st.items() if k != fr)
+            + f"; seed floor {f:.3f}; the first rule (raw gains, before protocol change 3): {'PASS' if n['first_rule']['passed'] else 'FAIL'}, "
+            f"control {'PASSES' if n['first_rule']['control_passed'] else 'fails'}")
 
 def print_battery(size: str = "cpu", seed: int = 0,
                   battery: Optional[dict] = None # {name: Verdict} already measured (None: run every probe)
@@ -760,7 +781,8 @@ def steps_to_reach(path: list[dict], value: float) -> Optional[int]:
 ATTENTION_BAND = 0.01   # declared before the attention-free arm's first number: a standard block within .01 target cosine of the control has no room to price a cure in (the six cpu arms already spread .004)
 
 def attention_verdict(paths: dict, # arm -> screen_path(...), with "standard" and "attention-free" among them
-                      band: float = ATTENTION_BAND # the declared band (target cosine)
+                      band: float = ATTENTION_BAND, # the declared band (target cosine)
+                      seed: Optional[int] = None # the screens' seed, named by the line (None: not named)
                      ) -> dict:
     "Whether attention matters on the screens' task: the standard block's final training gauge must beat the attention-free control's by more than `band`, at the same step."
     for need in ("standard", "attention-free"):
@@ -771,13 +793,16 @@ def attention_verdict(paths: dict, # arm -> screen_path(...), with "standard" an
     if s["step"] != a["step"]:
         raise ValueError(f"attention verdict: the standard block ends at step {s['step']}, the attention-free control at {a['step']}; "
                          "compare them at matched budget (finish both runs)")
-    gap = s["target_cosine"] - a["target_cosine"]; matters = gap > band
-    line = (f"attention {'matters' if matters else 'does not matter'} on this task: standard {s['target_cosine']:.4f} vs attention-free "
-            f"{a['target_cosine']:.4f} at step {s['step']} (gap {gap:+.4f}, band {band}); " +
+    gap = s["target_cosine"] - a["target_cosine"]; matters, control_wins = gap > band, gap < -band
+    reading = ("attention matters on this task" if matters else
+               "the attention-free control beats the standard block" if control_wins else
+               "no measurable effect of attention at this size and budget" + ("" if seed is None else f" (seed {seed})"))
+    line = (f"{reading}: standard {s['target_cosine']:.4f} vs attention-free {a['target_cosine']:.4f} at step {s['step']} "
+            f"(gap {gap:+.4f}, band {band}); " +
             ("the collapse and its cures are priced against it" if matters else
              "the collapse and its cures are not measurable here (no cure is ranked)"))
     return {"standard": s["target_cosine"], "attention_free": a["target_cosine"], "step": s["step"], "gap": gap, "band": band,
-            "matters": matters, "line": line}
+            "matters": matters, "control_wins": control_wins, "line": line}
 
 def screen_table(paths: dict, # arm -> screen_path(...), with "standard", "attention-free" and "collapse" among them
                  band: float = ATTENTION_BAND # the attention verdict's band

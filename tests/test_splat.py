@@ -94,3 +94,18 @@ def test_the_sizes_come_from_core_presets():
     assert battery_size("cpu") == battery_size("published") == dict(base, trials=3, steps=300, train_steps=150, context=2048,
                                                                      locality_heads=(1, 16, 128, 2048), locality_judged=128,
                                                                      lengths=(256, 512, 1024, 2048))
+
+
+def test_token_local_trains_the_frozen_splat_arms_budget():
+    "01b's TokenLocal ('none') never reads the query and key rows of qkv: they get no gradient, and its live budget is the frozen splat arm's (cpu: 526,336 dead, 10,841,600 live)."
+    counts = {}
+    for kind in ("none", "splat:frozen"):
+        torch.manual_seed(0); m = CaptionEncoder(EncoderConfig.preset("cpu", attention=kind))
+        counts[kind] = sum(p.numel() for p in m.parameters() if p.requires_grad)
+    torch.manual_seed(0); m = CaptionEncoder(EncoderConfig.preset("cpu", attention="none"))
+    m(torch.randint(1000, 2000, (2, 7))).pooler_output.square().sum().backward()
+    D = m.config.hidden
+    dead = sum(int((b.attn.qkv.weight.grad[:2 * D] == 0).sum() + (b.attn.qkv.bias.grad[:2 * D] == 0).sum()) for b in m.blocks)
+    assert all(b.attn.qkv.weight.grad[2 * D:].abs().sum() > 0 for b in m.blocks)      # the value rows do train
+    assert dead == 526_336 == len(m.blocks) * 2 * (D * D + D)
+    assert counts["none"] - dead == counts["splat:frozen"] == 10_841_600, counts
