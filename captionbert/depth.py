@@ -589,7 +589,8 @@ def assert_disengage_exact(model: DepthModel, tokenizer, texts: Sequence[str] = 
 # %% ../nbs/09_depth.ipynb #789d80a1
 def standin_trunk(trained: int = 64, # positions 0..trained-1 keep MiniLM's learned rows; the rest are re-drawn untrained
                   seed: int = 0, # the re-drawn rows' seed
-                  std: float = 0.02 # their init scale (BERT's initializer_range)
+                  std: float = 0.02, # their init scale (BERT's initializer_range)
+                  layers: Optional[int] = None # keep only MiniLM's first `layers` blocks (smoke: a cheaper stand-in); None: all six
                  ) -> nn.Module:
     "The bundled all-MiniLM-L6-v2 with its position rows from `trained` on re-drawn as untrained: a trunk that binds, with a short trained range."
     from transformers import AutoModel
@@ -598,8 +599,11 @@ def standin_trunk(trained: int = 64, # positions 0..trained-1 keep MiniLM's lear
     table = model.embeddings.position_embeddings.weight
     if not 2 <= trained < table.shape[0]: raise ValueError(f"trained must be in [2, {table.shape[0]}) (MiniLM's position rows), got {trained}")
     with torch.no_grad(): table[trained:] = torch.randn(table.shape[0] - trained, table.shape[1], generator=torch.Generator().manual_seed(seed)) * std
+    if layers is not None:
+        if not 1 <= layers <= len(model.encoder.layer): raise ValueError(f"layers must be in [1, {len(model.encoder.layer)}], got {layers}")
+        model.encoder.layer = model.encoder.layer[:layers]; model.config.num_hidden_layers = layers
     for p in model.parameters(): p.requires_grad_(False)
-    model.standin = {"source": "all-MiniLM-L6-v2 (bundled)", "trained": trained, "seed": seed, "std": std,
+    model.standin = {"source": "all-MiniLM-L6-v2 (bundled)" + (f", first {layers} blocks" if layers else ""), "trained": trained, "seed": seed, "std": std,
                      "fingerprint": backbone_fingerprint(model)}                # the backbone guard's identity of this trunk
     return model
 
@@ -684,13 +688,15 @@ class DepthConfig(Presets):
     tasks: tuple = TASK_NAMES         # where the engaged arm's capability cost is read
     standin: int = 64                 # the stand-in trunk (standin_trunk: the bundled MiniLM, rows from here on untrained) declared beside the stock one
     standin_length: int = 512         # the length its arm extends it to (its teacher, the full MiniLM, holds 512)
+    standin_layers: Optional[int] = None   # MiniLM blocks the stand-in keeps (None: all six; smoke: one, to stay cheap)
     PRESETS, SIZE_OF = ("smoke", "cpu", "published"), "depth preset"   # core.Presets: preset(name) builds each by its classmethod
     @classmethod
     def cpu(cls, **kw): return cls(**kw)
     @classmethod
     def smoke(cls, **kw): return cls(**{"name": "smoke", "backbone_preset": "smoke", "trained": 32, "length": 96, "depths": 8, "fit_items": 8,
                                        "held_items": 6, "rank": 4, "steps": 4, "batch_size": 2, "eval_every": 2, "sentences": 32,
-                                       "filler_tokens": 3000, "tasks": ("biosses",), "standin": 32, "standin_length": 96, **kw})
+                                       "filler_tokens": 3000, "tasks": ("biosses",), "standin": 32, "standin_length": 96,
+                                       "standin_layers": 1, **kw})
     @classmethod
     def published(cls, **kw):
         "The v2 trunk (max_tokens 256; its range measured by trained_range) extended to 2,304 tokens; rank 400 gives 4,926,144 adapter parameters (the card: a 5M arm)."
