@@ -202,3 +202,19 @@ def test_the_standin_is_minilm_cut_at_its_trained_range():
     with torch.no_grad():
         assert torch.equal(si(ids[:, :20]).last_hidden_state, full(ids[:, :20]).last_hidden_state)
         assert not torch.allclose(si(ids).last_hidden_state[:, 20:], full(ids).last_hidden_state[:, 20:], atol=1e-3)
+
+
+def test_the_smoke_standin_keeps_minilms_first_blocks():
+    from transformers import AutoModel
+    from captionbert.data import bundled_minilm_path
+    from captionbert.depth import DepthArm, DepthModel, standin_trunk
+    si, one = standin_trunk(20, layers=1), AutoModel.from_pretrained(str(bundled_minilm_path())).eval()
+    one.encoder.layer = one.encoder.layer[:1]                                                    # MiniLM's first block alone
+    assert (len(si.encoder.layer), si.config.num_hidden_layers, si.standin["source"]) == (1, 1, "all-MiniLM-L6-v2 (bundled), first 1 blocks")
+    ids = torch.randint(1000, 2000, (2, 20))
+    with torch.no_grad(): assert torch.equal(si(ids).last_hidden_state, one(ids).last_hidden_state)   # inside the cut: the first block, not another
+    arm = DepthArm(si, 20, 64, rank=2)
+    assert arm.adapters.layers == 1                                                              # one adapter per kept block (sized from the config)
+    with pytest.raises(GuardError, match="backbone-bound"): DepthModel(standin_trunk(20), arm)   # the one-block stand-in is another trunk
+    for bad in (0, 7):
+        with pytest.raises(ValueError, match=rf"layers must be in \[1, 6\], got {bad}"): standin_trunk(20, layers=bad)
