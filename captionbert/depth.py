@@ -6,7 +6,7 @@ a bar declared before it runs and beside a control that must fail, and a depth-e
 # %% ../nbs/09_depth.ipynb #1cc242c9
 from __future__ import annotations
 
-import dataclasses, json, random
+import contextlib, dataclasses, json, random
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable, Optional, Sequence
@@ -29,9 +29,10 @@ __all__ = ['GRAMMAR_WORDS', 'NEUTRAL_WORDS', 'BINDING_BAR', 'RECOVERY_BAR', 'RAN
            'ProbeSet', 'probe_set', 'read_states', 'BagOfWords', 'PositionOnly', 'shuffled_states', 'binding_holds',
            'wilson95', 'binding_probe', 'token_table', 'token_recoverability', 'grid_rank', 'rank_verdict',
            'span_similarity', 'model_capacity', 'copied_rows', 'seam_positions', 'above_chance', 'DepthPlan',
-           'spectrum_depths', 'read_spectrum', 'band_read', 'spectrum_ends', 'copied_positions', 'ExtendedPositions',
-           'DepthArm', 'DepthModel', 'assert_disengage_exact', 'depth_gate', 'LongInputs', 'TokenDistill',
-           'DepthConfig', 'position_reach', 'trained_range', 'load_teacher', 'train_depth_arm']
+           'spectrum_depths', 'read_spectrum', 'band_read', 'spectrum_ends', 'copied_positions', 'trunk_dims',
+           'position_table', 'ExtendedPositions', 'arm_installed', 'DepthArm', 'DepthModel', 'assert_disengage_exact',
+           'standin_trunk', 'depth_gate', 'LongInputs', 'TokenDistill', 'DepthConfig', 'position_reach',
+           'trained_range', 'load_teacher', 'train_depth_arm', 'declare_gate', 'repair_arc', 'PooledStates']
 
 # %% ../nbs/09_depth.ipynb #f954ab7a
 @dataclasses.dataclass(frozen=True)
@@ -452,6 +453,25 @@ def copied_positions(table: torch.Tensor, # [P, D] a trunk's learned position em
     if not 2 <= trained <= table.shape[0]: raise ValueError(f"trained must be in [2, {table.shape[0]}] (the table's rows), got {trained}")
     return table.detach()[copied_rows(trained, length)].clone()
 
+def _is_bert(trunk) -> bool: return hasattr(trunk, "embeddings") and hasattr(getattr(trunk, "encoder", None), "layer")
+
+def trunk_dims(trunk) -> tuple[int, int]:
+    "(hidden width, blocks) of a trunk a depth arm can sit on: a CaptionEncoder or a transformers BERT-like (e.g. the stand-in)."
+    if isinstance(trunk, CaptionEncoder): return trunk.config.hidden, trunk.config.layers
+    if _is_bert(trunk): return trunk.config.hidden_size, trunk.config.num_hidden_layers
+    raise TypeError(f"a depth arm sits on a CaptionEncoder or a transformers BERT-like trunk, not a {type(trunk).__name__}")
+
+def position_table(trunk) -> torch.Tensor:
+    "The trunk's learned position table [P, D] (a CaptionEncoder's LearnedPositions, a BERT's absolute position embeddings); other position kinds refused."
+    if isinstance(trunk, CaptionEncoder):
+        if not isinstance(trunk.positions, LearnedPositions):
+            raise ValueError(f"a depth arm copies learned positions; this trunk's positions are {trunk.config.position!r}")
+        return trunk.positions.embedding.weight
+    trunk_dims(trunk)                                                              # a BERT-like, or the TypeError naming it
+    kind = getattr(trunk.config, "position_embedding_type", "absolute")
+    if kind != "absolute": raise ValueError(f"a depth arm copies learned positions; this trunk's position_embedding_type is {kind!r}")
+    return trunk.embeddings.position_embeddings.weight
+
 class ExtendedPositions(nn.Module):
     "Learned positions read from a given table (the depth arm's), installed in a trunk for one call."
     def __init__(self, table: torch.Tensor): super().__init__(); self.table, self.max_positions = table, table.shape[0]
@@ -461,23 +481,54 @@ class ExtendedPositions(nn.Module):
         return x + self.table[:x.shape[1]].to(x.dtype)
     def rotate(self, q, k): return q, k
 
+@contextlib.contextmanager
+def arm_installed(trunk, # a CaptionEncoder or a transformers BERT-like
+                  table: torch.Tensor, # [P, D] the position table read instead of the trunk's
+                  hook: Optional[Callable] = None, # hook(layer, x [B, L, D], token_mask [B, L]) -> x after every block; None: none
+                  token_mask: Optional[torch.Tensor] = None # [B, L] real tokens, passed to the hook (a BERT's layers do not see it)
+                 ):
+    "Install a depth arm's positions and residual hook in the trunk for one call, and put the trunk's own back however the call ends."
+    if isinstance(trunk, CaptionEncoder):
+        stock, prev = trunk.positions, trunk.residual_hook
+        trunk._modules["positions"] = ExtendedPositions(table)
+        if hook is not None: set_residual_hook(trunk, hook)
+        try: yield trunk
+        finally: trunk._modules["positions"] = stock; set_residual_hook(trunk, prev)
+        return
+    trunk_dims(trunk)
+    if table.shape[0] > trunk.embeddings.position_ids.shape[1]:
+        raise ValueError(f"the arm's {table.shape[0]} positions exceed the {trunk.embeddings.position_ids.shape[1]} position ids this BERT builds")
+    def positions(m, inp, out):                                   # the embedding's rows, read from the arm's table instead
+        ids = inp[0]
+        if ids.max() >= table.shape[0]:
+            raise ValueError(f"input has {int(ids.max()) + 1} tokens but the depth arm extends the trunk to {table.shape[0]} positions")
+        return F.embedding(ids, table.to(out.dtype))
+    def after(i):                                                 # a BertLayer returns its states (or a tuple starting with them)
+        def f(m, inp, out):
+            if isinstance(out, tuple): return (hook(i, out[0], token_mask), *out[1:])
+            return hook(i, out, token_mask)
+        return f
+    handles = [trunk.embeddings.position_embeddings.register_forward_hook(positions)]
+    if hook is not None: handles += [layer.register_forward_hook(after(i)) for i, layer in enumerate(trunk.encoder.layer)]
+    try: yield trunk
+    finally:
+        for h in handles: h.remove()
+
 class DepthArm(nn.Module):
     "The depth-extension arm of one trunk: copied positions to `length` (nothing trained) and optional zero-born adapters (06's Arm)."
-    def __init__(self, backbone: CaptionEncoder, # the frozen trunk the arm is cut for (it is bound to its fingerprint)
+    def __init__(self, backbone: nn.Module, # the frozen trunk the arm is cut for (a CaptionEncoder or a BERT-like; bound to its fingerprint)
                  trained: int, # the trunk's trained position range
                  length: int, # the length the arm extends the trunk to
                  rank: int = 0, # adapter rank (0: copied positions only)
                  distill_width: Optional[int] = None, # the teacher's width: a training-only map from token states to the teacher's
                  seed: int = 0):
         super().__init__()
-        if not isinstance(backbone.positions, LearnedPositions):
-            raise ValueError(f"a depth arm copies learned positions; this trunk's positions are {backbone.config.position!r}")
-        cfg = backbone.config
+        hidden, layers = trunk_dims(backbone)
         self.trained, self.length, self.rank = trained, length, rank
-        self.register_buffer("positions", copied_positions(backbone.positions.embedding.weight, trained, length))
-        self.adapters = Arm("depth", cfg.hidden, cfg.layers, rank, seed=seed) if rank else None
+        self.register_buffer("positions", copied_positions(position_table(backbone), trained, length))
+        self.adapters = Arm("depth", hidden, layers, rank, seed=seed) if rank else None
         if self.adapters is not None: self.adapters.key.requires_grad_(False)      # one always-on arm: its routing key is unused
-        self.distill = nn.Linear(cfg.hidden, distill_width) if distill_width else None
+        self.distill = nn.Linear(hidden, distill_width) if distill_width else None
         self.backbone_fingerprint = backbone_fingerprint(backbone)                  # read by amoe.check_backbone (LAWS.md law 15)
     @property
     def n_trained_params(self) -> int: return 0 if self.adapters is None else self.adapters.n_adapter_params
@@ -490,24 +541,26 @@ class DepthArm(nn.Module):
 
 class DepthModel(nn.Module):
     "A frozen trunk with its depth arm: engaged, the arm's positions and adapters; disengaged, the stock trunk itself."
-    def __init__(self, backbone: CaptionEncoder, arm: DepthArm,
+    def __init__(self, backbone: nn.Module, arm: DepthArm,
                  allow_foreign: bool = False # put an arm cut for another trunk on this one (warns; LAWS.md law 15)
                 ):
         super().__init__()
         check_backbone(arm, backbone, allow_foreign)                                # the guard where arm and trunk meet
         self.backbone, self.arm, self.engaged = backbone, arm, True
         for p in backbone.parameters(): p.requires_grad_(False)
+        backbone.eval()
     @property
     def config(self): return self.backbone.config
     @property
-    def capacity(self) -> int: return self.arm.length if self.engaged else self.backbone.config.max_positions
+    def capacity(self) -> int: return self.arm.length if self.engaged else model_capacity(self.backbone)
+    def train(self, mode: bool = True):
+        "Train mode for the arm only: the frozen trunk stays in eval mode (a BERT trunk's dropout stays off)."
+        super().train(mode); self.backbone.eval(); return self
     def forward(self, input_ids, attention_mask=None, **kw):
         if not self.engaged: return self.backbone(input_ids, attention_mask, **kw)
-        stock, prev = self.backbone.positions, self.backbone.residual_hook
-        self.backbone._modules["positions"] = ExtendedPositions(self.arm.positions)      # for this call only
-        if self.arm.adapters is not None: set_residual_hook(self.backbone, self.arm.hook)
-        try: return self.backbone(input_ids, attention_mask, **kw)
-        finally: self.backbone._modules["positions"] = stock; set_residual_hook(self.backbone, prev)
+        mask = input_ids.ne(0) if attention_mask is None else attention_mask.bool()
+        with arm_installed(self.backbone, self.arm.positions, self.arm.hook if self.arm.adapters is not None else None, mask):
+            return self.backbone(input_ids, attention_mask, **kw)
     def __repr__(self): return f"DepthModel({self.backbone!r}, {self.arm!r}, {'engaged' if self.engaged else 'disengaged'})"
 
 @torch.no_grad()
@@ -532,6 +585,27 @@ def assert_disengage_exact(model: DepthModel, tokenizer, texts: Sequence[str] = 
             raise GuardError("a fresh arm engaged on inputs within the trained range changes the trunk: copied positions must keep the "
                              "trained rows and the adapters must be born zero")
     finally: model.engaged = was
+
+# %% ../nbs/09_depth.ipynb #789d80a1
+def standin_trunk(trained: int = 64, # positions 0..trained-1 keep MiniLM's learned rows; the rest are re-drawn untrained
+                  seed: int = 0, # the re-drawn rows' seed
+                  std: float = 0.02, # their init scale (BERT's initializer_range)
+                  layers: Optional[int] = None # keep only MiniLM's first `layers` blocks (smoke: a cheaper stand-in); None: all six
+                 ) -> nn.Module:
+    "The bundled all-MiniLM-L6-v2 with its position rows from `trained` on re-drawn as untrained: a trunk that binds, with a short trained range."
+    from transformers import AutoModel
+    from captionbert.data import bundled_minilm_path
+    model = AutoModel.from_pretrained(str(bundled_minilm_path())).eval()
+    table = model.embeddings.position_embeddings.weight
+    if not 2 <= trained < table.shape[0]: raise ValueError(f"trained must be in [2, {table.shape[0]}) (MiniLM's position rows), got {trained}")
+    with torch.no_grad(): table[trained:] = torch.randn(table.shape[0] - trained, table.shape[1], generator=torch.Generator().manual_seed(seed)) * std
+    if layers is not None:
+        if not 1 <= layers <= len(model.encoder.layer): raise ValueError(f"layers must be in [1, {len(model.encoder.layer)}], got {layers}")
+        model.encoder.layer = model.encoder.layer[:layers]; model.config.num_hidden_layers = layers
+    for p in model.parameters(): p.requires_grad_(False)
+    model.standin = {"source": "all-MiniLM-L6-v2 (bundled)" + (f", first {layers} blocks" if layers else ""), "trained": trained, "seed": seed, "std": std,
+                     "fingerprint": backbone_fingerprint(model)}                # the backbone guard's identity of this trunk
+    return model
 
 # %% ../nbs/09_depth.ipynb #c38905d5
 def depth_gate(rows: Sequence[dict], # a spectrum (read_spectrum) of the engaged model
@@ -612,13 +686,17 @@ class DepthConfig(Presets):
     sentences: int = 256              # captions the recoverability and rank probes fit on (as many others are read)
     filler_tokens: int = 20_000       # neutral filler tokens drawn from the caption source
     tasks: tuple = TASK_NAMES         # where the engaged arm's capability cost is read
+    standin: int = 64                 # the stand-in trunk (standin_trunk: the bundled MiniLM, rows from here on untrained) declared beside the stock one
+    standin_length: int = 512         # the length its arm extends it to (its teacher, the full MiniLM, holds 512)
+    standin_layers: Optional[int] = None   # MiniLM blocks the stand-in keeps (None: all six; smoke: one, to stay cheap)
     PRESETS, SIZE_OF = ("smoke", "cpu", "published"), "depth preset"   # core.Presets: preset(name) builds each by its classmethod
     @classmethod
     def cpu(cls, **kw): return cls(**kw)
     @classmethod
     def smoke(cls, **kw): return cls(**{"name": "smoke", "backbone_preset": "smoke", "trained": 32, "length": 96, "depths": 8, "fit_items": 8,
                                        "held_items": 6, "rank": 4, "steps": 4, "batch_size": 2, "eval_every": 2, "sentences": 32,
-                                       "filler_tokens": 3000, "tasks": ("biosses",), **kw})
+                                       "filler_tokens": 3000, "tasks": ("biosses",), "standin": 32, "standin_length": 96,
+                                       "standin_layers": 1, **kw})
     @classmethod
     def published(cls, **kw):
         "The v2 trunk (max_tokens 256; its range measured by trained_range) extended to 2,304 tokens; rank 400 gives 4,926,144 adapter parameters (the card: a 5M arm)."
@@ -630,6 +708,8 @@ class DepthConfig(Presets):
         if self.depths < MIN_DEPTHS: raise GuardError(f"depths={self.depths}: a depth study reads at least {MIN_DEPTHS} depths (the depth law)")
         if self.trained is not None and not 2 <= self.trained < self.length:
             raise ValueError(f"trained ({self.trained}) must be in [2, length={self.length})")
+        if not 2 <= self.standin < self.standin_length <= 512:
+            raise ValueError(f"the stand-in needs 2 <= standin ({self.standin}) < standin_length ({self.standin_length}) <= 512 (its teacher's positions)")
     def train_config(self):
         "The TrainConfig of the arm's distillation on the workbook's one loop."
         from captionbert.train import TrainConfig
@@ -700,3 +780,62 @@ def train_depth_arm(model: DepthModel, # the trunk with the arm to train (arm.di
     if device is not None: teacher.to(device)
     return train(model, plan, TokenDistill(teacher), cfg.train_config(), RunDir(run_dir), corpus, evaluate_fn=evaluate_fn,
                  resume=False, device=device, progress=progress)
+
+# %% ../nbs/09_depth.ipynb #2f3994be
+def declare_gate(run, # a core.RunDir: the gate is written there before any arm is built
+                 name: str, # the file: gate.json (the stock trunk), gate-standin.json, ...
+                 plan: DepthPlan, reference: dict, # the trunk's shallow band read (band_read): the gate's reference
+                 ratio: float, trained_source: str, # where the trained range came from (measured, declared)
+                 **extra) -> dict:
+    "Write the preregistered gate of one trunk (its rule, reference read, depths) to the run folder, before any arm is built; returns it."
+    import time
+    gate = {"ratio": ratio, "rule": "(binding - chance) / (band - chance) >= ratio at every depth", "chance": CHANCE, "through": plan.depths[-1],
+            "depths": plan.depths, "band": plan.band, "seams": plan.seams, "capacity": plan.capacity, "limited_by": plan.limited_by,
+            "trained": plan.trained, "trained_source": trained_source, "binding_bar": BINDING_BAR, "reference_read": reference,
+            "void": not binding_holds(reference), "declared": time.strftime("%Y-%m-%dT%H:%M:%S"), "declared_before": "any arm was built or trained", **extra}
+    if (run.path / name).exists(): raise GuardError(f"{run.path / name} is already declared: a gate is declared once, before its arm; use a new run folder")
+    run.write_json(name, gate, kind="preregistration")
+    return gate
+
+def repair_arc(trunk: nn.Module, # the frozen trunk (a CaptionEncoder or a BERT-like)
+               trained: int, length: int, # its trained range, and the length the arm extends it to
+               teacher: nn.Module, # the long-context teacher (its width sizes the training-only distillation map)
+               read: Callable, # model -> its spectrum at the plan's depths (read_spectrum)
+               gate: dict, # the declared gate (declare_gate): its reference read, ratio and depth
+               cfg: DepthConfig, long_rows: LongInputs, run_dir, corpus: dict, tokenizer, device=None, progress: bool = False) -> SimpleNamespace:
+    "One trunk's arm after its gate is declared: copied positions only, then the trained arm read along its distillation, each disengage asserted bit-exact."
+    reference, through, ratio = gate["reference_read"], gate["through"], gate["ratio"]
+    copied = DepthModel(trunk, DepthArm(trunk, trained, length)).eval()
+    assert_disengage_exact(copied, tokenizer)
+    spectra = {"copied positions": read(copied)}
+    arm = DepthArm(trunk, trained, length, cfg.rank, distill_width=teacher.config.hidden_size, seed=0)
+    armed, arc = DepthModel(trunk, arm), {0: spectra["copied positions"]}     # step 0: zero-born adapters add nothing, so the copied read is the arm's
+    def along(model, step):
+        "The spectrum at this step of the training (the repair arc), logged as the least share of the band kept above chance."
+        arc[step] = read(model)
+        g = depth_gate(arc[step], through, reference, ratio)
+        kept = [p["above_chance"] for p in g["depths"] if p["above_chance"] is not None]
+        return {"gate/worst_above_chance": min(kept) if kept else float("nan"), "gate/passed": float(g["passed"])}
+    result = train_depth_arm(armed, teacher, long_rows, cfg, run_dir, corpus, evaluate_fn=along, device=device, progress=progress)
+    armed.eval(); assert_disengage_exact(armed, tokenizer)
+    spectra["trained arm"] = arc[max(arc)]
+    if not max(float(u.weight.detach().abs().max()) for u in arm.adapters.up) > 0:
+        raise GuardError("the arm's up-projections are still zero after training: nothing was learned")
+    return SimpleNamespace(copied=copied, arm=arm, armed=armed, spectra=spectra, arc=arc, result=result,
+                           gates={n: depth_gate(s, through, reference, ratio) for n, s in spectra.items()})
+
+class PooledStates:
+    "Any model returning last_hidden_state (a depth model, a BERT trunk) behind the harness's Encoder protocol: the mean of its final token states, L2-normalized."
+    def __init__(self, model: nn.Module, tokenizer, name: str, max_length: int = 256, chunk: int = 64):
+        self.model, self.tokenizer, self.name, self.max_length, self.chunk = model, tokenizer, name, max_length, chunk
+    def __repr__(self): return f"PooledStates({self.name})"
+    def encode(self, texts: list[str]) -> torch.Tensor:
+        from captionbert.data import sorted_batches
+        ids, out = self.tokenizer(list(texts), truncation=True, max_length=self.max_length)["input_ids"], None
+        for rows in sorted_batches([len(x) for x in ids], self.chunk):
+            b = collate([ids[i] for i in rows], rows)
+            h = read_states(self.model, b, self.chunk)                           # [b, L, D], zeros at padding
+            v = F.normalize(h.sum(1) / b.attention_mask.sum(1, keepdim=True).clamp_min(1), dim=-1)
+            if out is None: out = torch.zeros(len(ids), v.shape[1])
+            out[torch.as_tensor(rows)] = v
+        return out if out is not None else torch.zeros(0, 0)

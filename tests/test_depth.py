@@ -154,3 +154,67 @@ def test_trained_range_is_measured_on_the_training_rows(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"train": dataclasses.asdict(TrainConfig.cpu()), "frame": "f", "seed": 0, "targets": str(tmp_path / "gone"),
                                                       "corpus": {"targets_fingerprint": "0123456789abcdef", "train_rows_sha256": "x"}}))
     with pytest.raises(GuardError, match="its targets 0123456789ab are in none of"): trained_range(tmp_path, targets=tmp_path / "gone")
+
+
+def _tiny_bert(seed=0, positions=64):
+    from transformers import BertConfig, BertModel
+    torch.manual_seed(seed)
+    return BertModel(BertConfig(vocab_size=3000, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                                max_position_embeddings=positions)).eval()
+
+
+def test_the_arm_sits_on_a_bert_trunk_through_hooks_and_disengages_exactly():
+    from captionbert.depth import DepthArm, DepthModel
+    bert, long = _tiny_bert(), torch.randint(1000, 2000, (2, 40))
+    arm = DepthArm(bert, trained=16, length=64, rank=4)
+    dm = DepthModel(bert, arm)
+    with torch.no_grad():
+        stock = bert(long).last_hidden_state
+        assert torch.equal(dm(long[:, :16]).last_hidden_state, bert(long[:, :16]).last_hidden_state)   # born equal inside the trained range
+        assert not torch.equal(dm(long).last_hidden_state, stock)                                       # the copied rows are read beyond it
+        dm.engaged = False
+        assert torch.equal(dm(long).last_hidden_state, stock)                                           # disengaged: stock, bit for bit
+        dm.engaged = True
+        arm.adapters.up[1].weight.normal_()                                                             # the hook writes after block 1
+        assert not torch.equal(dm(long[:, :16]).last_hidden_state, bert(long[:, :16]).last_hidden_state)
+        assert torch.equal(bert(long).last_hidden_state, stock)                                         # no hook left behind on the trunk
+    with pytest.raises(ValueError, match="41 tokens but the depth arm extends the trunk to 40"):
+        DepthModel(bert, DepthArm(bert, 16, 40))(torch.randint(1000, 2000, (1, 41)))
+
+
+def test_the_guard_refuses_arms_across_trunk_kinds():
+    from captionbert.depth import DepthArm, DepthModel
+    from captionbert.encoder import CaptionEncoder, EncoderConfig
+    bert, enc = _tiny_bert(), CaptionEncoder(EncoderConfig.tiny()).eval()
+    with pytest.raises(GuardError, match="backbone-bound"): DepthModel(enc, DepthArm(bert, 16, 64))
+    with pytest.raises(GuardError, match="backbone-bound"): DepthModel(bert, DepthArm(enc, 16, 64))
+    with pytest.raises(GuardError, match="backbone-bound"): DepthModel(_tiny_bert(seed=1), DepthArm(bert, 16, 64))
+
+
+def test_the_standin_is_minilm_cut_at_its_trained_range():
+    from transformers import AutoModel
+    from captionbert.data import bundled_minilm_path
+    from captionbert.depth import standin_trunk
+    full, si = AutoModel.from_pretrained(str(bundled_minilm_path())).eval(), standin_trunk(20, seed=3)
+    P, Pf = si.embeddings.position_embeddings.weight, full.embeddings.position_embeddings.weight
+    assert torch.equal(P[:20], Pf[:20]) and torch.equal(P[20:], torch.randn(492, 384, generator=torch.Generator().manual_seed(3)) * 0.02)
+    ids = torch.randint(1000, 2000, (1, 30))
+    with torch.no_grad():
+        assert torch.equal(si(ids[:, :20]).last_hidden_state, full(ids[:, :20]).last_hidden_state)
+        assert not torch.allclose(si(ids).last_hidden_state[:, 20:], full(ids).last_hidden_state[:, 20:], atol=1e-3)
+
+
+def test_the_smoke_standin_keeps_minilms_first_blocks():
+    from transformers import AutoModel
+    from captionbert.data import bundled_minilm_path
+    from captionbert.depth import DepthArm, DepthModel, standin_trunk
+    si, one = standin_trunk(20, layers=1), AutoModel.from_pretrained(str(bundled_minilm_path())).eval()
+    one.encoder.layer = one.encoder.layer[:1]                                                    # MiniLM's first block alone
+    assert (len(si.encoder.layer), si.config.num_hidden_layers, si.standin["source"]) == (1, 1, "all-MiniLM-L6-v2 (bundled), first 1 blocks")
+    ids = torch.randint(1000, 2000, (2, 20))
+    with torch.no_grad(): assert torch.equal(si(ids).last_hidden_state, one(ids).last_hidden_state)   # inside the cut: the first block, not another
+    arm = DepthArm(si, 20, 64, rank=2)
+    assert arm.adapters.layers == 1                                                              # one adapter per kept block (sized from the config)
+    with pytest.raises(GuardError, match="backbone-bound"): DepthModel(standin_trunk(20), arm)   # the one-block stand-in is another trunk
+    for bad in (0, 7):
+        with pytest.raises(ValueError, match=rf"layers must be in \[1, 6\], got {bad}"): standin_trunk(20, layers=bad)
