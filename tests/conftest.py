@@ -10,7 +10,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 import torch  # noqa: E402
 
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // _workers)))   # OMP_NUM_THREADS, when set, decides
 
 
 def pytest_addoption(parser):
