@@ -38,8 +38,8 @@ def routing_budget_scale(short, # the TrainConfig of a short run
                          reference # the TrainConfig whose schedule sets the budget (the published recipe)
                         ) -> float:
     "Σ lr over the reference schedule / Σ lr over the short one: the lr multiplier giving a short run's routing parameters the reference's Adam travel."
-    from captionbert.train import lr_at
-    return sum(lr_at(s, reference) for s in range(reference.max_steps)) / sum(lr_at(s, short) for s in range(short.max_steps))
+    from captionbert.train import summed_lr
+    return summed_lr(reference) / summed_lr(short)
 
 def arm_of(name: str # an arm ("a1") or its preset name ("aleph-a1")
           ) -> str:

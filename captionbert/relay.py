@@ -63,7 +63,8 @@ def gate_travel_needed(gate_init: float, # the gate's logit at birth
 
 def lr_travel(tc: TrainConfig) -> float:
     "Σ lr over a TrainConfig's schedule: about how far Adam can move one scalar parameter (one lr a step at most, typically)."
-    return sum(lr_at(s, tc) for s in range(tc.max_steps))
+    from captionbert.train import summed_lr
+    return summed_lr(tc)
 
 def placement_reading(reach: float, # the gates' reachable logit travel (RelayConfig.gate_reach)
                       needed: float # the travel the effect needs (gate_travel_needed)

@@ -24,13 +24,13 @@ from .data import Batch, LengthBucketSampler, TokenStore, collate, stratified_sa
 from .gauges import effective_rank, mimicry_r1, query_set_report, self_cosine
 
 # %% auto #0
-__all__ = ['TokenizedCorpus', 'RESUME_LOG', 'WHERE_KEYS', 'TrainConfig', 'lr_at', 'BatchPlan', 'param_groups', 'save_weights',
-           'latest_checkpoint', 'load_checkpoint', 'config_changes', 'config_defaults', 'check_resume_config',
-           'TrainResult', 'train', 'ConsensusLoss', 'frame_gap', 'frame_gap_floor', 'mimicry_line', 'ConsensusGauges',
-           'resolve_targets', 'caption_source', 'training_range', 'RunRows', 'run_rows', 'assert_same_rows', 'texts_of',
-           'resolve_train_config', 'resolve_encoder_config', 'with_extra', 'ConsensusRun', 'run_consensus_training',
-           'export_student', 'score_student', 'scoring_code', 'scoring_code_version', 'teacher_cache_key',
-           'score_teachers', 'train_memory_estimate', 'plan_run', 'main']
+__all__ = ['TokenizedCorpus', 'RESUME_LOG', 'WHERE_KEYS', 'TrainConfig', 'summed_lr', 'lr_at', 'BatchPlan', 'param_groups',
+           'save_weights', 'latest_checkpoint', 'load_checkpoint', 'config_changes', 'config_defaults',
+           'check_resume_config', 'TrainResult', 'train', 'ConsensusLoss', 'frame_gap', 'frame_gap_floor',
+           'mimicry_line', 'ConsensusGauges', 'resolve_targets', 'caption_source', 'training_range', 'RunRows',
+           'run_rows', 'assert_same_rows', 'texts_of', 'resolve_train_config', 'resolve_encoder_config', 'with_extra',
+           'ConsensusRun', 'run_consensus_training', 'export_student', 'score_student', 'scoring_code',
+           'scoring_code_version', 'teacher_cache_key', 'score_teachers', 'train_memory_estimate', 'plan_run', 'main']
 
 # %% ../nbs/05_train.ipynb #c11b275e
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +109,10 @@ class TrainConfig:
     def preset(cls, name: str, **kw):
         "A named preset: smoke, cpu, published (= v2), v2 or v2b (keyword overrides allowed)."
         return getattr(cls, cls.canonical(name))(**kw)
+
+def summed_lr(cfg: TrainConfig) -> float:
+    "Σ lr over the whole schedule: about how far Adam can carry one scalar parameter (one lr a step, typically)."
+    return sum(lr_at(s, cfg) for s in range(cfg.max_steps))
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     "Learning rate at `step`: linear warmup to cfg.lr, then cosine decay to cfg.min_lr at cfg.max_steps."
