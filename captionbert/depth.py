@@ -32,7 +32,8 @@ __all__ = ['GRAMMAR_WORDS', 'NEUTRAL_WORDS', 'BINDING_BAR', 'RECOVERY_BAR', 'RAN
            'spectrum_depths', 'read_spectrum', 'band_read', 'spectrum_ends', 'copied_positions', 'trunk_dims',
            'position_table', 'ExtendedPositions', 'arm_installed', 'DepthArm', 'DepthModel', 'assert_disengage_exact',
            'standin_trunk', 'depth_gate', 'LongInputs', 'TokenDistill', 'DepthConfig', 'position_reach',
-           'trained_range', 'load_teacher', 'train_depth_arm', 'declare_gate', 'repair_arc', 'PooledStates']
+           'trained_range', 'load_teacher', 'train_depth_arm', 'declare_gate', 'repair_arc', 'repair_split',
+           'show_split', 'PooledStates']
 
 # %% ../nbs/09_depth.ipynb #f954ab7a
 @dataclasses.dataclass(frozen=True)
@@ -521,6 +522,7 @@ class DepthArm(nn.Module):
                  length: int, # the length the arm extends the trunk to
                  rank: int = 0, # adapter rank (0: copied positions only)
                  distill_width: Optional[int] = None, # the teacher's width: a training-only map from token states to the teacher's
+                 distill_init: str = "identity", # "identity": the map born identity where the widths match (else random); "random": always random
                  seed: int = 0):
         super().__init__()
         hidden, layers = trunk_dims(backbone)
@@ -529,13 +531,17 @@ class DepthArm(nn.Module):
         self.adapters = Arm("depth", hidden, layers, rank, seed=seed) if rank else None
         if self.adapters is not None: self.adapters.key.requires_grad_(False)      # one always-on arm: its routing key is unused
         self.distill = nn.Linear(hidden, distill_width) if distill_width else None
+        if distill_init not in ("identity", "random"): raise ValueError(f"distill_init is 'identity' or 'random', got {distill_init!r}")
+        self.distill_born = None if self.distill is None else "identity" if distill_init == "identity" and distill_width == hidden else "random"
+        if self.distill_born == "identity":                                         # trunk and teacher agree where their positions do:
+            with torch.no_grad(): self.distill.weight.copy_(torch.eye(hidden)); self.distill.bias.zero_()   # the loss starts on the depths to repair
         self.backbone_fingerprint = backbone_fingerprint(backbone)                  # read by amoe.check_backbone (LAWS.md law 15)
     @property
     def n_trained_params(self) -> int: return 0 if self.adapters is None else self.adapters.n_adapter_params
     def hook(self, layer: int, x: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
         "The adapters' write to the residual stream after block `layer`."
         return x + self.adapters.delta(layer, x)
-    def spec(self) -> dict: return {"trained": self.trained, "length": self.length, "rank": self.rank}
+    def spec(self) -> dict: return {"trained": self.trained, "length": self.length, "rank": self.rank, "distill_born": self.distill_born}
     def __repr__(self):
         return f"DepthArm(positions copied {self.trained} -> {self.length}, rank {self.rank}, {self.n_trained_params:,} trained params)"
 
@@ -677,6 +683,8 @@ class DepthConfig(Presets):
     fit_items: int = 48               # minimal pairs the binding probe is fit on, at each depth
     held_items: int = 32              # held-out minimal pairs it is read on
     rank: int = 32                    # the adapters' bottleneck rank
+    distill_init: str = "identity"    # the training-only map to the teacher: "identity" born identity where the widths match (protocol 2,
+                                      # 2026-12-01), "random" always random (protocol 1, the 4bdf41d study); see "The arc of one trunk"
     steps: int = 150                  # distillation steps
     batch_size: int = 8               # long rows a step
     lr: float = 1e-3
@@ -810,7 +818,8 @@ def repair_arc(trunk: nn.Module, # the frozen trunk (a CaptionEncoder or a BERT-
     copied = DepthModel(trunk, DepthArm(trunk, trained, length)).eval()
     assert_disengage_exact(copied, tokenizer)
     spectra = {"copied positions": read(copied)}
-    arm = DepthArm(trunk, trained, length, cfg.rank, distill_width=teacher.config.hidden_size, seed=0)
+    arm = DepthArm(trunk, trained, length, cfg.rank, distill_width=teacher.config.hidden_size, distill_init=cfg.distill_init, seed=0)
+    corpus = {**corpus, "distill_born": arm.distill_born}                      # the run's manifest says how the map was born
     armed, arc = DepthModel(trunk, arm), {0: spectra["copied positions"]}     # step 0: zero-born adapters add nothing, so the copied read is the arm's
     def along(model, step):
         "The spectrum at this step of the training (the repair arc), logged as the least share of the band kept above chance."
@@ -825,6 +834,29 @@ def repair_arc(trunk: nn.Module, # the frozen trunk (a CaptionEncoder or a BERT-
         raise GuardError("the arm's up-projections are still zero after training: nothing was learned")
     return SimpleNamespace(copied=copied, arm=arm, armed=armed, spectra=spectra, arc=arc, result=result,
                            gates={n: depth_gate(s, through, reference, ratio) for n, s in spectra.items()})
+
+def repair_split(spectra: dict, # "stock", "copied positions", "trained arm": spectra (read_spectrum) read at the same depths
+                 band: Sequence[int], seams: Sequence[int] # the plan's shallow band and the copied table's seams (DepthPlan)
+                ) -> dict:
+    "What each part of the arm does to binding: the copy (zero parameters) over stock, the training over the copy, by depth and in mean by region."
+    s, c, a = (spectra[k] for k in ("stock", "copied positions", "trained arm"))
+    depths = [r["depth"] for r in s]
+    if [r["depth"] for r in c] != depths or [r["depth"] for r in a] != depths:
+        raise ValueError("the three spectra were read at different depths: read them on one plan")
+    region = lambda d: "band" if d in band else "seams" if d in seams else "past the band"
+    by = [{"depth": d, "region": region(d), "copy_over_stock": round(y["binding"] - x["binding"], 4),
+           "arm_over_copy": round(z["binding"] - y["binding"], 4), "arm_over_stock": round(z["binding"] - x["binding"], 4)}
+          for d, x, y, z in zip(depths, s, c, a)]
+    mean = lambda k, r: (lambda v: round(float(np.mean(v)), 4) if v else None)([p[k] for p in by if p["region"] == r])
+    return {"by_depth": by, "mean": {r: {k: mean(k, r) for k in ("copy_over_stock", "arm_over_copy", "arm_over_stock")}
+                                     for r in ("band", "past the band", "seams")}}
+
+def show_split(split: dict, label: str = ""):
+    "Print repair_split: the copy's and the training's share of the change in binding, in mean by region, then by depth."
+    print(f"{label}binding change by region (mean over its depths): " + "; ".join(
+        f"{r}: copy over stock {m['copy_over_stock']:+.3f}, trained arm over copy {m['arm_over_copy']:+.3f}" for r, m in split["mean"].items()
+        if m["copy_over_stock"] is not None))
+    print("  by depth (copy over stock / arm over copy): " + "  ".join(f"{p['depth']}: {p['copy_over_stock']:+.2f}/{p['arm_over_copy']:+.2f}" for p in split["by_depth"]))
 
 class PooledStates:
     "Any model returning last_hidden_state (a depth model, a BERT trunk) behind the harness's Encoder protocol: the mean of its final token states, L2-normalized."

@@ -218,3 +218,19 @@ def test_the_smoke_standin_keeps_minilms_first_blocks():
     with pytest.raises(GuardError, match="backbone-bound"): DepthModel(standin_trunk(20), arm)   # the one-block stand-in is another trunk
     for bad in (0, 7):
         with pytest.raises(ValueError, match=rf"layers must be in \[1, 6\], got {bad}"): standin_trunk(20, layers=bad)
+
+
+def test_the_standins_distillation_starts_on_the_depths_to_repair():
+    "Born identity, the map leaves nothing to fit inside the cut (trunk and teacher agree there); born random, everything. Catches a map born random."
+    from transformers import AutoModel
+    from captionbert.data import bundled_minilm_path
+    from captionbert.depth import DepthArm, DepthModel, TokenDistill, standin_trunk
+    from captionbert.data import collate
+    si, teacher = standin_trunk(20, seed=0), AutoModel.from_pretrained(str(bundled_minilm_path())).eval()
+    ids = torch.randint(1000, 2000, (2, 40)); ids[:, 0], ids[:, -1] = 101, 102
+    loss = lambda init, n: TokenDistill(teacher)(DepthModel(si, DepthArm(si, 20, 64, 2, distill_width=384, distill_init=init)),
+                                                  collate(ids[:, :n].tolist()), None)[0].item()
+    with torch.no_grad():
+        assert loss("identity", 20) < 1e-5                   # inside the cut: nothing to fit
+        assert loss("identity", 40) > 1e-3                   # past it: the copied rows differ from the teacher's learned ones
+        assert loss("random", 20) > 0.5                      # a random map: the loss is the map's, everywhere
