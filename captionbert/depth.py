@@ -24,16 +24,16 @@ from .encoder import CaptionEncoder, LearnedPositions, set_residual_hook
 from .gauges import effective_rank
 
 # %% auto #0
-__all__ = ['GRAMMAR_WORDS', 'NEUTRAL_WORDS', 'BINDING_BAR', 'RECOVERY_BAR', 'RANK_BAR', 'MIN_DEPTHS', 'SIMILARITY_BAR', 'CHANCE',
-           'MIN_BAND', 'BindingItem', 'binding_items', 'scene_reads', 'neutral_captions', 'filler_stream', 'place',
-           'ProbeSet', 'probe_set', 'read_states', 'BagOfWords', 'PositionOnly', 'shuffled_states', 'binding_holds',
-           'wilson95', 'binding_probe', 'token_table', 'token_recoverability', 'grid_rank', 'rank_verdict',
-           'span_similarity', 'model_capacity', 'copied_rows', 'seam_positions', 'above_chance', 'DepthPlan',
-           'spectrum_depths', 'read_spectrum', 'band_read', 'spectrum_ends', 'copied_positions', 'trunk_dims',
-           'position_table', 'ExtendedPositions', 'arm_installed', 'DepthArm', 'DepthModel', 'assert_disengage_exact',
-           'standin_trunk', 'depth_gate', 'LongInputs', 'TokenDistill', 'DepthConfig', 'position_reach',
-           'trained_range', 'load_teacher', 'train_depth_arm', 'declare_gate', 'repair_arc', 'repair_split',
-           'show_split', 'PooledStates']
+__all__ = ['GRAMMAR_WORDS', 'NEUTRAL_WORDS', 'BINDING_BAR', 'BINDING_LAMBDA', 'RECOVERY_BAR', 'RANK_BAR', 'MIN_DEPTHS', 'CONTEXT',
+           'CHANCE', 'MIN_BAND', 'BindingItem', 'binding_items', 'scene_reads', 'neutral_captions', 'filler_stream',
+           'place', 'ProbeSet', 'probe_set', 'read_states', 'BagOfWords', 'PositionOnly', 'shuffled_states',
+           'binding_holds', 'wilson95', 'binding_probe', 'token_table', 'token_recoverability', 'grid_rank',
+           'rank_verdict', 'span_similarity', 'model_capacity', 'copied_rows', 'seam_positions', 'above_chance',
+           'DepthPlan', 'spectrum_depths', 'read_spectrum', 'band_read', 'similarity_kept', 'spectrum_ends',
+           'copied_positions', 'trunk_dims', 'position_table', 'ExtendedPositions', 'arm_installed', 'DepthArm',
+           'DepthModel', 'assert_disengage_exact', 'standin_trunk', 'depth_gate', 'LongInputs', 'TokenDistill',
+           'DepthConfig', 'position_reach', 'trained_range', 'load_teacher', 'train_depth_arm', 'declare_gate',
+           'repair_arc', 'repair_split', 'show_split', 'PooledStates']
 
 # %% ../nbs/09_depth.ipynb #f954ab7a
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +206,7 @@ def shuffled_states(states: torch.Tensor, # [B, L, D]
 
 # %% ../nbs/09_depth.ipynb #56bc173c
 BINDING_BAR = 0.75      # declared before any read: two-way forced choice (chance 0.5), both directions must reach it for "holds"
+BINDING_LAMBDA = 0.01   # the binding probe's ridge penalty (printed with every binding read; a larger fit set reads higher)
 RECOVERY_BAR = 0.90     # declared before any read: the token identified from its final state (the card reads .984 on its trunks)
 RANK_BAR = 1.10         # declared before any read: arms "raise" the token-grid rank when it grows by at least 10% (the card: 12-17%)
 
@@ -241,7 +242,7 @@ def _binding_read(states, ps, direction):
 
 def binding_probe(fit_states: torch.Tensor, fit: ProbeSet, # [2N, L, D] states of the fit items, and the items
                   eval_states: torch.Tensor, held: ProbeSet, # the same for held-out items
-                  bar: float = BINDING_BAR, lam: float = 0.01) -> dict:
+                  bar: float = BINDING_BAR, lam: float = BINDING_LAMBDA) -> dict:
     "Symmetric attribute binding on held-out items: which of the item's two attributes is the object's, and which object is the attribute's."
     shared = set(fit.rows) & set(held.rows)
     if shared: raise ValueError(f"{len(shared)} items are both fit and read (e.g. {sorted(shared)[:3]}): binding is read on held-out items only")
@@ -302,20 +303,25 @@ def rank_verdict(bare: float, other: float, # grid ranks of the bare trunk and o
 
 # %% ../nbs/09_depth.ipynb #c774da60
 MIN_DEPTHS = 8          # the depth law: a depth claim reads many depths spread across the range, never two or three points
-SIMILARITY_BAR = 0.8    # declared before any read: the span similarity gauge "holds" while its cosine to the shallow read is at least this
+CONTEXT = 8             # filler tokens before the band's shallowest item: depth 1 (right after [CLS], no context) is read, never gated
 CHANCE = 0.5            # the binding probe's chance (a two-way choice): every ratio of binding reads is taken above it
 MIN_BAND = 2            # the shallow reference is a band of at least this many depths, averaged, never one point
 
 def span_similarity(states: torch.Tensor, ps: ProbeSet, # states of items placed at some depth
-                    shallow_states: torch.Tensor, shallow: ProbeSet # the same items placed at the shallow depth
+                    shallow_states: torch.Tensor, shallow: ProbeSet, # the same items placed at the reference depth
+                    other: bool = False # the floor: each item against ANOTHER item (two rows on: the next item, same side) at the reference
                    ) -> float:
-    "The similarity gauge: mean cosine between each item token's state at ps.depth and the same token's state at the shallow depth."
+    "The similarity gauge: mean cosine between each item token's state at ps.depth and the same token's state at the reference depth (other=True: the floor, another item's token at the same offset)."
     if not torch.equal(ps.batch.rows, shallow.batch.rows) or ps.rows != shallow.rows:
         raise ValueError("the two probe sets hold different items (or another order): similarity compares the same item at two depths")
+    n = len(ps)
+    if other and n < 4: raise ValueError(f"the similarity floor pairs each item with another: {n // 2} item(s) are too few (need 2)")
     cos = []
-    for r in range(len(ps)):
-        (a0, a1), (b0, b1) = ps.span[r].tolist(), shallow.span[r].tolist()
-        cos.append(F.cosine_similarity(states[r, a0:a1], shallow_states[r, b0:b1], dim=-1))
+    for r in range(n):
+        q = (r + 2) % n if other else r                                   # rows 2i, 2i + 1 are one item's two sides (the same bag of words)
+        (a0, a1), (b0, b1) = ps.span[r].tolist(), shallow.span[q].tolist()
+        k = min(a1 - a0, b1 - b0)
+        cos.append(F.cosine_similarity(states[r, a0:a0 + k], shallow_states[q, b0:b0 + k], dim=-1))
     return float(torch.cat(cos).mean())
 
 def model_capacity(model) -> int:
@@ -375,7 +381,8 @@ def spectrum_depths(capacities: dict, # model name -> its capacity (model_capaci
                     trained: int, # the trunk's trained range: the band lies inside it, the seams are its tiling's
                     band: int = 4, # shallow depths averaged into the reference (at least MIN_BAND)
                     seams: int = 6, # seams read (spread over every seam an item fits at; all when fewer)
-                    past: int = 1 # a seam is also read this many tokens past it
+                    past: int = 1, # a seam is also read this many tokens past it
+                    context: int = CONTEXT # filler tokens before the band's shallowest item (the band starts at depth 1 + context)
                    ) -> DepthPlan:
     "The depths of a spectrum: a shallow band, n spread depths and sampled seams (aligned and just past), all inside every model's capacity; fewer than MIN_DEPTHS refused."
     if n < MIN_DEPTHS:
@@ -385,31 +392,36 @@ def spectrum_depths(capacities: dict, # model name -> its capacity (model_capaci
     if not capacities: raise ValueError("no capacities given: name every model the spectrum reads with its capacity (model_capacity)")
     limited_by, capacity = min(capacities.items(), key=lambda kv: kv[1])
     deepest, band_end = capacity - longest_item - 1, min(trained, capacity) - longest_item - 1   # [CLS] at 0, [SEP] after the item
-    if band_end < band:
-        raise ValueError(f"a trained range of {trained} positions holds an item of {longest_item} tokens (with [CLS] and [SEP]) at depths 1..{band_end} "
-                         f"only, too few for a band of {band}: use shorter probe items, a smaller band, or a trunk trained longer")
+    if band_end - context < band:
+        raise ValueError(f"a trained range of {trained} positions holds an item of {longest_item} tokens (with [CLS] and [SEP]) after {context} tokens "
+                         f"of context at depths {1 + context}..{band_end} only, too few for a band of {band}: use shorter probe items, a smaller band "
+                         "or context, or a trunk trained longer")
     if deepest <= band_end:
         raise ValueError(f"{limited_by} holds {capacity} positions: an item of {longest_item} tokens fits no deeper than {deepest}, inside the trained range")
     even = lambda lo, hi, k: tuple(sorted({int(round(x)) for x in np.linspace(lo, hi, k)}))
     fits = [s for s in seam_positions(trained, capacity) if s + past <= deepest]
     pick = fits if len(fits) <= seams else [fits[i] for i in sorted({int(round(x)) for x in np.linspace(0, len(fits) - 1, seams)})]
-    return DepthPlan(even(1, band_end, band), even(1, deepest, n), tuple(sorted({d for s in pick for d in (s, s + past)})), capacity, limited_by,
+    return DepthPlan(even(1 + context, band_end, band), even(1, deepest, n), tuple(sorted({d for s in pick for d in (s, s + past)})), capacity, limited_by,
                      trained, tuple(fits))
 
 def read_spectrum(read: Callable, # batch -> states [B, L, D] (e.g. lambda b: read_states(model, b))
                   tokenizer, fit_items: Sequence[BindingItem], held_items: Sequence[BindingItem], filler: Sequence[int],
-                  depths: Sequence[int], # depths[0] is the similarity gauge's reference (the shallowest)
+                  depths: Sequence[int], # the plan's depths (DepthPlan.depths)
                   capacity: int, # the model's own positions (model_capacity)
-                  bar: float = BINDING_BAR) -> list[dict]:
-    "Binding (both directions, on held-out items) and the similarity gauge at every depth: one model's spectrum."
-    ref = probe_set(tokenizer, held_items, filler, depths[0], capacity)
+                  bar: float = BINDING_BAR,
+                  reference_depth: Optional[int] = None # the similarity gauge's reference (the band's first depth, DepthPlan.band[0]); None: depths[0]
+                 ) -> list[dict]:
+    "Binding (both directions, on held-out items) and the similarity gauge with its floor at every depth: one model's spectrum."
+    reference_depth = depths[0] if reference_depth is None else reference_depth
+    ref = probe_set(tokenizer, held_items, filler, reference_depth, capacity)
     ref_states, rows = read(ref.batch), []
     for d in depths:
         pf, ph = probe_set(tokenizer, fit_items, filler, d, capacity), probe_set(tokenizer, held_items, filler, d, capacity)
         sh = read(ph.batch)
         b = binding_probe(read(pf.batch), pf, sh, ph, bar)
         rows.append({"depth": d, **{k: b[k] for k in ("object_to_attribute", "attribute_to_object", "binding", "ci95", "verdict", "n_read")},
-                     "similarity": span_similarity(sh, ph, ref_states, ref)})
+                     "similarity": span_similarity(sh, ph, ref_states, ref), "similarity_floor": span_similarity(sh, ph, ref_states, ref, other=True),
+                     "similarity_reference": reference_depth})
     return rows
 
 def band_read(rows: Sequence[dict], # a spectrum (read_spectrum)
@@ -426,19 +438,32 @@ def band_read(rows: Sequence[dict], # a spectrum (read_spectrum)
     return {"depth": tuple(band), **out, "ci95": wilson95(out["binding"], 2 * n) if n else None, "n_read": n,
             "verdict": "holds" if binding_holds(out, bar) else "fails"}
 
+def similarity_kept(rows: Sequence[dict], # a spectrum (read_spectrum): similarity, its floor and its reference depth at every depth
+                    band: Sequence[int] # the shallow band's depths: their similarity above the floor is the level kept
+                   ) -> dict:
+    "Similarity judged like binding: (similarity - floor) / (the band's similarity - floor) by depth; the reference depth (1 by construction) is left out of the band's level."
+    at, ref = {r["depth"]: r for r in rows}, rows[0].get("similarity_reference")
+    level = [at[d]["similarity"] - at[d]["similarity_floor"] for d in band if d != ref and d in at]
+    if not level: raise ValueError(f"the band {list(band)} has no depth besides the similarity reference {ref}: the similarity level needs one")
+    level = float(np.mean(level))
+    if level <= 0: raise ValueError(f"the band's similarity is not above its floor ({level:+.3f}): similarity cannot end anywhere")
+    return {r["depth"]: (r["similarity"] - r["similarity_floor"]) / level for r in rows}
+
 def spectrum_ends(rows: Sequence[dict], # a spectrum (read_spectrum), shallowest read first
-                  reference: dict, # the shallow band's read (band_read) binding is measured against
-                  ratio: float = 0.8, # binding ends where it keeps less than this share of the reference's binding above chance
-                  similarity_bar: float = SIMILARITY_BAR, # the similarity gauge holds while at least this
+                  reference: dict, # the shallow band's read (band_read): binding and similarity are each measured against its depths
+                  ratio: float = 0.8, # each ends where it keeps less than this share of its band level above its floor (chance; another item)
                   bar: float = BINDING_BAR # binding must hold in the reference (binding_holds) for it to end anywhere
                  ) -> dict:
-    "Where binding ends (above_chance below `ratio`) and where similarity ends on one spectrum ('void' when the band holds no binding); refuses a spectrum without the semantic gauge or with too few depths."
+    "Where binding and similarity end, judged alike from the band's first depth on (each keeps < `ratio` of its band level above its floor); 'void' when the band holds no binding; refuses a spectrum without the semantic gauge or with too few depths."
     if len(rows) < MIN_DEPTHS: raise GuardError(f"a spectrum of {len(rows)} depths: a depth claim needs at least {MIN_DEPTHS} (the depth law)")
-    missing = [k for k in ("binding", "similarity") if any(k not in r for r in rows)]
-    if missing: raise GuardError(f"the spectrum lacks {missing}: a depth claim needs the semantic gauge (binding) beside similarity")
-    first = lambda ok: next((r["depth"] for r in rows if not ok(r)), None)
-    s_end = first(lambda r: r["similarity"] >= similarity_bar)
-    out = {"similarity_ends": s_end, "shallow_binding": reference["binding"], "deepest": rows[-1]["depth"]}
+    missing = [k for k in ("binding", "similarity", "similarity_floor") if any(k not in r for r in rows)]
+    if missing: raise GuardError(f"the spectrum lacks {missing}: a depth claim needs the semantic gauge (binding) beside similarity (and its floor)")
+    start = reference["depth"][0]
+    first = lambda ok: next((r["depth"] for r in rows if r["depth"] >= start and not ok(r)), None)   # no-context depths before the band: read, not judged
+    kept = similarity_kept(rows, reference["depth"])
+    s_end = first(lambda r: kept[r["depth"]] >= ratio)
+    out = {"similarity_ends": s_end, "shallow_binding": reference["binding"], "deepest": rows[-1]["depth"], "judged_from": start,
+           "similarity_kept": {d: round(v, 4) for d, v in kept.items()}}
     if not binding_holds(reference, bar):        # no binding to end: "ends at None" would read as "never ends"
         return {"binding_ends": "void", **out, "similarity_flatters": None}
     b_end = first(lambda r: above_chance(r["binding"], reference["binding"]) >= ratio)
@@ -620,18 +645,20 @@ def depth_gate(rows: Sequence[dict], # a spectrum (read_spectrum) of the engaged
                ratio: float = 0.8, # declared before training: binding keeps >= ratio of the band's binding above chance at every measured depth
                bar: float = BINDING_BAR, # the band must itself hold binding (binding_holds), or the gate could not fail
                chance: float = CHANCE) -> dict:
-    "The preregistered gate: (binding - chance) / (band - chance) >= `ratio` at every measured depth through `through`, the band being the stock trunk's."
+    "The preregistered gate: (binding - chance) / (band - chance) >= `ratio` at every measured depth from the band's first through `through`, the band being the stock trunk's."
     if rows[-1]["depth"] < through:
         raise GuardError(f"the spectrum reaches depth {rows[-1]['depth']} but the gate covers through {through}: measure to the target length")
     shallow = reference["binding"]
     needed = chance + ratio * (shallow - chance)                                  # the binding read that keeps `ratio` of the band above chance
+    start = reference["depth"][0] if "depth" in reference else rows[0]["depth"]    # depths before the band (no context) are read, not gated
     per = [{"depth": r["depth"], "binding": r["binding"], "ci95": r.get("ci95"), "needed": needed, "passed": r["binding"] >= needed,
-            "above_chance": above_chance(r["binding"], shallow, chance) if shallow > chance else None} for r in rows if r["depth"] <= through]
+            "gated": r["depth"] >= start, "above_chance": above_chance(r["binding"], shallow, chance) if shallow > chance else None}
+           for r in rows if r["depth"] <= through]
     if not binding_holds(reference, bar):
         return {"passed": False, "void": True, "verdict": f"void: the band read (binding {shallow:.3f}; object->attribute {reference['object_to_attribute']:.3f}, "
                 f"attribute->object {reference['attribute_to_object']:.3f}) does not reach the binding bar {bar} both ways (the gate could not fail)",
                 "shallow": shallow, "needed": needed, "depths": per}
-    failed = [p["depth"] for p in per if not p["passed"]]
+    failed = [p["depth"] for p in per if p["gated"] and not p["passed"]]
     return {"passed": not failed, "void": False, "verdict": "passed" if not failed else f"failed at depths {failed}", "shallow": shallow,
             "needed": needed, "depths": per}
 
@@ -678,6 +705,7 @@ class DepthConfig(Presets):
     length: int = 512                 # the length the arm extends the trunk to (cpu: the bundled MiniLM's 512 positions)
     depths: int = 10                  # depths spread from 1 to the deepest an item fits at every model's capacity (>= MIN_DEPTHS)
     band: int = 4                     # the shallow band: depths with the item inside the trained range, averaged into the reference
+    context: int = CONTEXT            # filler tokens before the band's shallowest item (protocol 2; protocol 1's band began at depth 1, no context)
     seams: int = 6                    # seams of the copied table read (aligned and `seam_past` beyond), spread over all of them
     seam_past: int = 1                # tokens past a seam of its second read
     fit_items: int = 48               # minimal pairs the binding probe is fit on, at each depth
@@ -825,7 +853,7 @@ def repair_arc(trunk: nn.Module, # the frozen trunk (a CaptionEncoder or a BERT-
         "The spectrum at this step of the training (the repair arc), logged as the least share of the band kept above chance."
         arc[step] = read(model)
         g = depth_gate(arc[step], through, reference, ratio)
-        kept = [p["above_chance"] for p in g["depths"] if p["above_chance"] is not None]
+        kept = [p["above_chance"] for p in g["depths"] if p["gated"] and p["above_chance"] is not None]
         return {"gate/worst_above_chance": min(kept) if kept else float("nan"), "gate/passed": float(g["passed"])}
     result = train_depth_arm(armed, teacher, long_rows, cfg, run_dir, corpus, evaluate_fn=along, device=device, progress=progress)
     armed.eval(); assert_disengage_exact(armed, tokenizer)

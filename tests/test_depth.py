@@ -41,7 +41,8 @@ def test_bag_of_words_sits_exactly_at_chance():
 
 def test_depth_claims_need_a_spectrum():
     with pytest.raises(GuardError, match="at least 8 depths"): spectrum_depths({"trunk": 512}, 14, 3, trained=40)
-    rows = [{"depth": d, "binding": 0.9, "object_to_attribute": 0.9, "attribute_to_object": 0.9, "similarity": 0.9} for d in range(8)]
+    rows = [{"depth": d, "binding": 0.9, "object_to_attribute": 0.9, "attribute_to_object": 0.9, "similarity": 0.9, "similarity_floor": 0.3}
+            for d in range(8)]
     ref = band_read(rows, [0, 1])
     with pytest.raises(GuardError, match="semantic gauge"): spectrum_ends([{"depth": r["depth"], "similarity": 1.0} for r in rows], ref)
     assert depth_gate(rows, 7, ref)["passed"]
@@ -49,8 +50,8 @@ def test_depth_claims_need_a_spectrum():
 
 
 def _spectrum(o2a, a2o, n=8):
-    return [{"depth": 2 + 10 * d, "binding": (o2a + a2o) / 2, "object_to_attribute": o2a, "attribute_to_object": a2o, "similarity": 0.9}
-            for d in range(n)]
+    return [{"depth": 2 + 10 * d, "binding": (o2a + a2o) / 2, "object_to_attribute": o2a, "attribute_to_object": a2o, "similarity": 0.9,
+             "similarity_floor": 0.3} for d in range(n)]
 
 
 def test_no_binding_at_the_shallow_depth_is_void_not_none():
@@ -117,7 +118,8 @@ def test_seams_are_where_the_copied_table_restarts_and_are_read_with_a_point_pas
 
 def test_the_reference_is_a_shallow_band_inside_the_trained_range():
     plan = spectrum_depths({"arm": 512}, 15, 10, trained=42, band=4)
-    assert len(plan.band) == 4 and plan.band[0] == 1 and plan.band[-1] + 15 == 42 - 1                    # the deepest band item's [SEP] at 41
+    assert len(plan.band) == 4 and plan.band[0] == 9 and plan.band[-1] + 15 == 42 - 1                    # 8 tokens of context first; the deepest [SEP] at 41
+    assert plan.spread[0] == 1                                                                            # depth 1 (no context) is still read
     with pytest.raises(GuardError, match="never one point"): spectrum_depths({"arm": 512}, 15, 10, trained=42, band=1)
     rows = [{"depth": d, "binding": b, "object_to_attribute": b, "attribute_to_object": b, "n_read": 10} for d, b in ((1, .9), (9, .8), (17, .85), (26, .85))]
     ref = band_read(rows, [1, 9, 17, 26])
