@@ -18,22 +18,22 @@ import torch.nn.functional as F
 
 from .amoe import Arm, backbone_fingerprint, check_backbone
 from .benchmark import TASK_NAMES
-from .core import GuardError, Presets
+from .core import GuardError, Presets, atomic_path
 from .data import ATTRIBUTE_KINDS, MATERIALS, NOUNS, SIZE_WORDS, Batch, Scene, SceneGrammar, collate
 from .encoder import CaptionEncoder, LearnedPositions, set_residual_hook
 from .gauges import effective_rank
 
 # %% auto #0
 __all__ = ['GRAMMAR_WORDS', 'NEUTRAL_WORDS', 'BINDING_BAR', 'BINDING_LAMBDA', 'RECOVERY_BAR', 'RANK_BAR', 'MIN_DEPTHS', 'CONTEXT',
-           'CHANCE', 'MIN_BAND', 'BindingItem', 'binding_items', 'scene_reads', 'neutral_captions', 'filler_stream',
-           'place', 'ProbeSet', 'probe_set', 'read_states', 'BagOfWords', 'PositionOnly', 'shuffled_states',
-           'binding_holds', 'wilson95', 'binding_probe', 'token_table', 'token_recoverability', 'grid_rank',
-           'rank_verdict', 'span_similarity', 'model_capacity', 'copied_rows', 'seam_positions', 'above_chance',
-           'DepthPlan', 'spectrum_depths', 'read_spectrum', 'band_read', 'similarity_kept', 'spectrum_ends',
-           'copied_positions', 'trunk_dims', 'position_table', 'ExtendedPositions', 'arm_installed', 'DepthArm',
-           'DepthModel', 'assert_disengage_exact', 'standin_trunk', 'depth_gate', 'LongInputs', 'TokenDistill',
-           'DepthConfig', 'position_reach', 'trained_range', 'load_teacher', 'train_depth_arm', 'declare_gate',
-           'repair_arc', 'repair_split', 'show_split', 'PooledStates']
+           'CHANCE', 'MIN_BAND', 'DEPTH_ARM_FORMAT', 'BindingItem', 'binding_items', 'scene_reads', 'neutral_captions',
+           'filler_stream', 'place', 'ProbeSet', 'probe_set', 'read_states', 'BagOfWords', 'PositionOnly',
+           'shuffled_states', 'binding_holds', 'wilson95', 'binding_probe', 'token_table', 'token_recoverability',
+           'grid_rank', 'rank_verdict', 'span_similarity', 'model_capacity', 'copied_rows', 'seam_positions',
+           'above_chance', 'DepthPlan', 'spectrum_depths', 'read_spectrum', 'band_read', 'similarity_kept',
+           'spectrum_ends', 'copied_positions', 'trunk_dims', 'position_table', 'ExtendedPositions', 'arm_installed',
+           'DepthArm', 'DepthModel', 'assert_disengage_exact', 'save_depth_arm', 'load_depth_arm', 'standin_trunk',
+           'depth_gate', 'LongInputs', 'TokenDistill', 'DepthConfig', 'position_reach', 'trained_range', 'load_teacher',
+           'train_depth_arm', 'declare_gate', 'repair_arc', 'repair_split', 'show_split', 'PooledStates']
 
 # %% ../nbs/09_depth.ipynb #f954ab7a
 @dataclasses.dataclass(frozen=True)
@@ -617,6 +617,44 @@ def assert_disengage_exact(model: DepthModel, tokenizer, texts: Sequence[str] = 
                              "trained rows and the adapters must be born zero")
     finally: model.engaged = was
 
+# %% ../nbs/09_depth.ipynb #6b29064e
+DEPTH_ARM_FORMAT = "captionbert-depth-arm-v1"
+
+def save_depth_arm(arm: DepthArm, path) -> Path:
+    "The detachable part alone (copied positions and adapters; not the trunk, not the training-only map) as safetensors with its spec and its trunk's fingerprint, atomically."
+    from safetensors.torch import save_file
+    tensors = {k: v.detach().cpu().contiguous() for k, v in arm.state_dict().items() if not k.startswith("distill.")}
+    meta = {"format": DEPTH_ARM_FORMAT, "backbone_fingerprint": arm.backbone_fingerprint,
+            "spec": json.dumps({"trained": arm.trained, "length": arm.length, "rank": arm.rank})}
+    with atomic_path(path) as tmp: save_file(tensors, str(tmp), metadata=meta)
+    return Path(path)
+
+def load_depth_arm(path, backbone: nn.Module, # the trunk the arm will sit on
+                   tokenizer=None, # for the disengage check (None: the workbook's tokenizer)
+                   allow_foreign: bool = False # put it on a trunk other than the one it was cut for (warns; LAWS.md law 15)
+                  ) -> DepthModel:
+    "A saved depth arm on a trunk, engaged: an unreadable or foreign file refused naming it, the backbone guard (LAWS.md law 15) before a tensor is used, the disengage asserted bit-exact."
+    from safetensors import safe_open
+    path = Path(path)
+    try:
+        with safe_open(str(path), "pt") as f: meta, tensors = f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e: raise GuardError(f"{path} is not a readable depth arm ({type(e).__name__}: {e})") from e
+    if meta.get("format") != DEPTH_ARM_FORMAT: raise GuardError(f"{path} is not a captionbert depth arm (format {meta.get('format')!r})")
+    try: check_backbone(SimpleNamespace(backbone_fingerprint=meta["backbone_fingerprint"]), backbone, allow_foreign)
+    except GuardError as e: raise GuardError(f"{path}: {e}") from e
+    spec = json.loads(meta["spec"])
+    arm = DepthArm(backbone, spec["trained"], spec["length"], spec["rank"])
+    try: arm.load_state_dict(tensors)
+    except RuntimeError as e: raise GuardError(f"{path} does not hold the tensors its spec {spec} names ({e})") from e
+    arm.backbone_fingerprint = meta["backbone_fingerprint"]
+    dev = next(backbone.parameters()).device
+    model = DepthModel(backbone, arm.to(dev), allow_foreign=allow_foreign).eval()
+    if tokenizer is None:
+        from captionbert.data import load_tokenizer
+        tokenizer = load_tokenizer()
+    assert_disengage_exact(model, tokenizer)
+    return model
+
 # %% ../nbs/09_depth.ipynb #789d80a1
 def standin_trunk(trained: int = 64, # positions 0..trained-1 keep MiniLM's learned rows; the rest are re-drawn untrained
                   seed: int = 0, # the re-drawn rows' seed
@@ -857,10 +895,16 @@ def repair_arc(trunk: nn.Module, # the frozen trunk (a CaptionEncoder or a BERT-
         return {"gate/worst_above_chance": min(kept) if kept else float("nan"), "gate/passed": float(g["passed"])}
     result = train_depth_arm(armed, teacher, long_rows, cfg, run_dir, corpus, evaluate_fn=along, device=device, progress=progress)
     armed.eval(); assert_disengage_exact(armed, tokenizer)
+    saved = save_depth_arm(arm, Path(run_dir) / "depth-arm.safetensors")        # the detachable part alone, then read back onto the trunk
+    b, dev = long_rows(0), next(trunk.parameters()).device
+    with torch.no_grad():
+        if not torch.equal(load_depth_arm(saved, trunk, tokenizer)(b.input_ids.to(dev), b.attention_mask.to(dev)).last_hidden_state,
+                           armed(b.input_ids.to(dev), b.attention_mask.to(dev)).last_hidden_state):
+            raise GuardError(f"{saved} read back onto the trunk does not give the trained arm's outputs")
     spectra["trained arm"] = arc[max(arc)]
     if not max(float(u.weight.detach().abs().max()) for u in arm.adapters.up) > 0:
         raise GuardError("the arm's up-projections are still zero after training: nothing was learned")
-    return SimpleNamespace(copied=copied, arm=arm, armed=armed, spectra=spectra, arc=arc, result=result,
+    return SimpleNamespace(copied=copied, arm=arm, armed=armed, spectra=spectra, arc=arc, result=result, saved=saved,
                            gates={n: depth_gate(s, through, reference, ratio) for n, s in spectra.items()})
 
 def repair_split(spectra: dict, # "stock", "copied positions", "trained arm": spectra (read_spectrum) read at the same depths

@@ -158,10 +158,10 @@ def test_trained_range_is_measured_on_the_training_rows(tmp_path):
     with pytest.raises(GuardError, match="its targets 0123456789ab are in none of"): trained_range(tmp_path, targets=tmp_path / "gone")
 
 
-def _tiny_bert(seed=0, positions=64):
+def _tiny_bert(seed=0, positions=64, vocab=3000):
     from transformers import BertConfig, BertModel
     torch.manual_seed(seed)
-    return BertModel(BertConfig(vocab_size=3000, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+    return BertModel(BertConfig(vocab_size=vocab, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
                                 max_position_embeddings=positions)).eval()
 
 
@@ -236,3 +236,25 @@ def test_the_standins_distillation_starts_on_the_depths_to_repair():
         assert loss("identity", 20) < 1e-5                   # inside the cut: nothing to fit
         assert loss("identity", 40) > 1e-3                   # past it: the copied rows differ from the teacher's learned ones
         assert loss("random", 20) > 0.5                      # a random map: the loss is the map's, everywhere
+
+
+def test_a_depth_arm_on_a_bert_trunk_is_saved_alone_and_read_back_through_the_guard(tmp_path):
+    "Round trip on the hooks path; a sibling BERT one seed away refused; a file whose tensors do not match its spec refused. Catches a save that drops the adapters."
+    from safetensors.torch import load_file, save_file
+    from captionbert.data import load_tokenizer
+    from captionbert.depth import DepthArm, DepthModel, load_depth_arm, save_depth_arm
+    bert, tok = _tiny_bert(vocab=30522), load_tokenizer()                                     # the workbook's WordPiece ids (the disengage check reads text)
+    arm = DepthArm(bert, trained=16, length=64, rank=4, distill_width=16)
+    with torch.no_grad(): arm.adapters.up[1].weight.normal_()
+    p = save_depth_arm(arm, tmp_path / "arm.safetensors")
+    assert not any(k.startswith("distill.") for k in load_file(str(p)))                     # the training-only map stays behind
+    ids = torch.randint(1000, 2000, (2, 40))
+    with torch.no_grad():
+        assert torch.equal(load_depth_arm(p, bert, tok)(ids).last_hidden_state, DepthModel(bert, arm)(ids).last_hidden_state)
+        assert not torch.equal(load_depth_arm(p, bert, tok)(ids).last_hidden_state, DepthModel(bert, DepthArm(bert, 16, 64, 4))(ids).last_hidden_state)
+    with pytest.raises(GuardError, match="backbone-bound"): load_depth_arm(p, _tiny_bert(seed=1, vocab=30522), tok)
+    t = load_file(str(p)); t.pop("adapters.up.1.weight")
+    from safetensors import safe_open
+    with safe_open(str(p), "pt") as f: meta = f.metadata()
+    save_file(t, str(tmp_path / "short.safetensors"), metadata=meta)
+    with pytest.raises(GuardError, match="does not hold the tensors its spec"): load_depth_arm(tmp_path / "short.safetensors", bert, tok)
