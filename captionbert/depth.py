@@ -347,7 +347,7 @@ def copied_rows(trained: int, # positions 0..trained-1 are the trained ones
     return torch.where(p < trained, p, 1 + (p - 1) % (trained - 1))
 
 def seam_positions(trained: int, length: int) -> list[int]:
-    "The positions where the copied table restarts its tiling (the first is the trained ceiling itself): the seams of copied_rows."
+    "The positions where the copied table restarts its tiling (the first is the trained ceiling itself): the seams of copied_rows, every trained - 1 positions ([CLS]'s row is not tiled: 255 for a 256-row table, where the card counts its dead edges every 256)."
     r = copied_rows(trained, length)
     return [int(p) for p in torch.nonzero(r[1:] < r[:-1]).squeeze(1) + 1]
 
@@ -427,7 +427,7 @@ def read_spectrum(read: Callable, # batch -> states [B, L, D] (e.g. lambda b: re
 def band_read(rows: Sequence[dict], # a spectrum (read_spectrum)
               band: Sequence[int], # the shallow band's depths (DepthPlan.band)
               bar: float = BINDING_BAR) -> dict:
-    "The reference read: each direction averaged over the shallow band's depths (several shallow reads, never one point)."
+    "The reference read: each direction averaged over the shallow band's depths (several shallow reads, never one point). Its Wilson interval counts every depth's reads as independent (the same items at each depth), so it is narrower than the band's true interval."
     if len(band) < MIN_BAND: raise GuardError(f"a shallow band of {len(band)} depth(s): the reference averages at least {MIN_BAND}, never one point")
     at = {r["depth"]: r for r in rows}
     missing = [d for d in band if d not in at]
@@ -776,7 +776,8 @@ class DepthConfig(Presets):
         "The v2 trunk (max_tokens 256; its range measured by trained_range) extended to 2,304 tokens; rank 400 gives 4,926,144 adapter parameters (the card: a 5M arm)."
         return cls(**{"name": "published", "backbone_preset": "v2", "length": 2304, "depths": 24, "band": 6, "seams": 8,
                       "fit_items": 96, "held_items": 64, "rank": 400, "steps": 2000, "batch_size": 16, "eval_every": 500,
-                      "teacher": "nomic-ai/nomic-embed-text-v1",   # chosen here: 8,192 positions and the bert-base-uncased WordPiece (checked at load)
+                      "teacher": "nomic-ai/nomic-embed-text-v1",   # chosen here: 8,192 positions and the bert-base-uncased WordPiece (checked at load);
+                      # it was trained at 2,048 tokens and reaches 8,192 by rotary scaling, so 2,304 is past its own trained context
                       "sentences": 1024, "filler_tokens": 200_000, **kw})
     def __post_init__(self):
         if self.depths < MIN_DEPTHS: raise GuardError(f"depths={self.depths}: a depth study reads at least {MIN_DEPTHS} depths (the depth law)")
@@ -803,7 +804,7 @@ def position_reach(lengths, # every corpus row's token length ([CLS] and [SEP] i
 def trained_range(run_dir, # a finished 05_train run: its config.json names its corpus, its rows and its ceiling
                   targets=None, # the targets folder it trained on; None: the one its config names, else consensus-<its alignment> beside the run or in runs/
                   tokenizer=None) -> dict:
-    "The trunk's trained position range, measured on the rows it trained on (checked by their sha256 against its config), at its max_tokens."
+    "The trunk's trained position range, measured on the rows it trained on (checked by their sha256 against its config), at its max_tokens: the longest row, so every position below it was trained on at least one row (the 99th percentile is returned beside it: positions past it saw under 1% of rows)."
     from captionbert.consensus import load_targets
     from captionbert.core import sha256_bytes
     from captionbert.data import load_tokenizer, runs_dir, token_store
@@ -937,11 +938,12 @@ class PooledStates:
     def __repr__(self): return f"PooledStates({self.name})"
     def encode(self, texts: list[str]) -> torch.Tensor:
         from captionbert.data import sorted_batches
+        from captionbert.teachers import mean_pool
         ids, out = self.tokenizer(list(texts), truncation=True, max_length=self.max_length)["input_ids"], None
         for rows in sorted_batches([len(x) for x in ids], self.chunk):
             b = collate([ids[i] for i in rows], rows)
             h = read_states(self.model, b, self.chunk)                           # [b, L, D], zeros at padding
-            v = F.normalize(h.sum(1) / b.attention_mask.sum(1, keepdim=True).clamp_min(1), dim=-1)
+            v = F.normalize(mean_pool(h, b.attention_mask), dim=-1)                     # the teachers' own pooling
             if out is None: out = torch.zeros(len(ids), v.shape[1])
             out[torch.as_tensor(rows)] = v
         return out if out is not None else torch.zeros(0, 0)
