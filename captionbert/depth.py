@@ -33,7 +33,8 @@ __all__ = ['GRAMMAR_WORDS', 'NEUTRAL_WORDS', 'BINDING_BAR', 'BINDING_LAMBDA', 'R
            'spectrum_ends', 'copied_positions', 'trunk_dims', 'position_table', 'ExtendedPositions', 'arm_installed',
            'DepthArm', 'DepthModel', 'assert_disengage_exact', 'save_depth_arm', 'load_depth_arm', 'standin_trunk',
            'depth_gate', 'LongInputs', 'TokenDistill', 'DepthConfig', 'position_reach', 'trained_range', 'load_teacher',
-           'train_depth_arm', 'declare_gate', 'repair_arc', 'repair_split', 'show_split', 'PooledStates']
+           'train_depth_arm', 'check_fresh_study', 'declare_gate', 'repair_arc', 'repair_split', 'show_split',
+           'PooledStates']
 
 # %% ../nbs/09_depth.ipynb #f954ab7a
 @dataclasses.dataclass(frozen=True)
@@ -462,7 +463,10 @@ def spectrum_ends(rows: Sequence[dict], # a spectrum (read_spectrum), shallowest
     first = lambda ok: next((r["depth"] for r in rows if r["depth"] >= start and not ok(r)), None)   # no-context depths before the band: read, not judged
     kept = similarity_kept(rows, reference["depth"])
     s_end = first(lambda r: kept[r["depth"]] >= ratio)
-    out = {"similarity_ends": s_end, "shallow_binding": reference["binding"], "deepest": rows[-1]["depth"], "judged_from": start,
+    ref_d = rows[0].get("similarity_reference")                                   # beside it, unfloored: s / the band's s (a check on the floor's effect)
+    raw_level = float(np.mean([r["similarity"] for r in rows if r["depth"] in reference["depth"] and r["depth"] != ref_d] or [np.nan]))
+    s_end_raw = first(lambda r: r["similarity"] / raw_level >= ratio)
+    out = {"similarity_ends": s_end, "similarity_ends_unfloored": s_end_raw, "shallow_binding": reference["binding"], "deepest": rows[-1]["depth"], "judged_from": start,
            "similarity_kept": {d: round(v, 4) for d, v in kept.items()}}
     if not binding_holds(reference, bar):        # no binding to end: "ends at None" would read as "never ends"
         return {"binding_ends": "void", **out, "similarity_flatters": None}
@@ -640,12 +644,16 @@ def load_depth_arm(path, backbone: nn.Module, # the trunk the arm will sit on
         with safe_open(str(path), "pt") as f: meta, tensors = f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e: raise GuardError(f"{path} is not a readable depth arm ({type(e).__name__}: {e})") from e
     if meta.get("format") != DEPTH_ARM_FORMAT: raise GuardError(f"{path} is not a captionbert depth arm (format {meta.get('format')!r})")
+    missing = [k for k in ("backbone_fingerprint", "spec") if k not in meta]
+    if missing: raise GuardError(f"{path} lacks {missing} in its metadata: not a depth arm save_depth_arm wrote")
     try: check_backbone(SimpleNamespace(backbone_fingerprint=meta["backbone_fingerprint"]), backbone, allow_foreign)
     except GuardError as e: raise GuardError(f"{path}: {e}") from e
     spec = json.loads(meta["spec"])
     arm = DepthArm(backbone, spec["trained"], spec["length"], spec["rank"])
     try: arm.load_state_dict(tensors)
     except RuntimeError as e: raise GuardError(f"{path} does not hold the tensors its spec {spec} names ({e})") from e
+    if meta["backbone_fingerprint"] == arm.backbone_fingerprint and not torch.equal(arm.positions, copied_positions(position_table(backbone), arm.trained, arm.length)):
+        raise GuardError(f"{path}: its positions are not this trunk's copied table (edited or damaged): a depth arm's positions are copied, never trained")
     arm.backbone_fingerprint = meta["backbone_fingerprint"]
     dev = next(backbone.parameters()).device
     model = DepthModel(backbone, arm.to(dev), allow_foreign=allow_foreign).eval()
@@ -688,6 +696,8 @@ def depth_gate(rows: Sequence[dict], # a spectrum (read_spectrum) of the engaged
         raise GuardError(f"the spectrum reaches depth {rows[-1]['depth']} but the gate covers through {through}: measure to the target length")
     shallow = reference["binding"]
     needed = chance + ratio * (shallow - chance)                                  # the binding read that keeps `ratio` of the band above chance
+    if "depth" in reference and not isinstance(reference["depth"], (tuple, list)):
+        raise ValueError(f"the gate's reference is one read at depth {reference['depth']}: give the band's read (band_read), never one point")
     start = reference["depth"][0] if "depth" in reference else rows[0]["depth"]    # depths before the band (no context) are read, not gated
     per = [{"depth": r["depth"], "binding": r["binding"], "ci95": r.get("ci95"), "needed": needed, "passed": r["binding"] >= needed,
             "gated": r["depth"] >= start, "above_chance": above_chance(r["binding"], shallow, chance) if shallow > chance else None}
@@ -859,6 +869,15 @@ def train_depth_arm(model: DepthModel, # the trunk with the arm to train (arm.di
                  resume=False, device=device, progress=progress)
 
 # %% ../nbs/09_depth.ipynb #2f3994be
+def check_fresh_study(out_dir # the study's run folder
+                     ) -> Path:
+    "Refuse, before any compute, a run folder that already holds a declared gate (a study ran there): a gate is declared once, before its arm."
+    out_dir = Path(out_dir)
+    if (out_dir / "gate.json").exists():
+        raise GuardError(f"{out_dir} already holds a declared gate (a study ran there): a gate is declared once, before its arm; "
+                         f"pass -p run_name {out_dir.name}-2 (or move the folder aside)")
+    return out_dir
+
 def declare_gate(run, # a core.RunDir: the gate is written there before any arm is built
                  name: str, # the file: gate.json (the stock trunk), gate-standin.json, ...
                  plan: DepthPlan, reference: dict, # the trunk's shallow band read (band_read): the gate's reference
@@ -866,7 +885,7 @@ def declare_gate(run, # a core.RunDir: the gate is written there before any arm 
                  **extra) -> dict:
     "Write the preregistered gate of one trunk (its rule, reference read, depths) to the run folder, before any arm is built; returns it."
     import time
-    gate = {"ratio": ratio, "rule": "(binding - chance) / (band - chance) >= ratio at every depth", "chance": CHANCE, "through": plan.depths[-1],
+    gate = {"ratio": ratio, "rule": "(binding - chance) / (band - chance) >= ratio at every depth from the band's first (earlier depths are read, not gated)", "chance": CHANCE, "through": plan.depths[-1],
             "depths": plan.depths, "band": plan.band, "seams": plan.seams, "capacity": plan.capacity, "limited_by": plan.limited_by,
             "trained": plan.trained, "trained_source": trained_source, "binding_bar": BINDING_BAR, "reference_read": reference,
             "void": not binding_holds(reference), "declared": time.strftime("%Y-%m-%dT%H:%M:%S"), "declared_before": "any arm was built or trained", **extra}
@@ -916,13 +935,13 @@ def repair_split(spectra: dict, # "stock", "copied positions", "trained arm": sp
     depths = [r["depth"] for r in s]
     if [r["depth"] for r in c] != depths or [r["depth"] for r in a] != depths:
         raise ValueError("the three spectra were read at different depths: read them on one plan")
-    region = lambda d: "band" if d in band else "seams" if d in seams else "past the band"
+    region = lambda d: "before the band" if d < min(band) else "band" if d in band else "seams" if d in seams else "past the band"   # before: no context, inside the range
     by = [{"depth": d, "region": region(d), "copy_over_stock": round(y["binding"] - x["binding"], 4),
            "arm_over_copy": round(z["binding"] - y["binding"], 4), "arm_over_stock": round(z["binding"] - x["binding"], 4)}
           for d, x, y, z in zip(depths, s, c, a)]
     mean = lambda k, r: (lambda v: round(float(np.mean(v)), 4) if v else None)([p[k] for p in by if p["region"] == r])
     return {"by_depth": by, "mean": {r: {k: mean(k, r) for k in ("copy_over_stock", "arm_over_copy", "arm_over_stock")}
-                                     for r in ("band", "past the band", "seams")}}
+                                     for r in ("before the band", "band", "past the band", "seams")}}
 
 def show_split(split: dict, label: str = ""):
     "Print repair_split: the copy's and the training's share of the change in binding, in mean by region, then by depth."
