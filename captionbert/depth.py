@@ -247,18 +247,20 @@ def binding_probe(fit_states: torch.Tensor, fit: ProbeSet, # [2N, L, D] states o
     "Symmetric attribute binding on held-out items: which of the item's two attributes is the object's, and which object is the attribute's."
     shared = set(fit.rows) & set(held.rows)
     if shared: raise ValueError(f"{len(shared)} items are both fit and read (e.g. {sorted(shared)[:3]}): binding is read on held-out items only")
-    out = {}
+    out, per_row = {}, torch.zeros(len(held), dtype=torch.float64)
     for d, name in (("object", "object_to_attribute"), ("attribute", "attribute_to_object")):
         X, y, _, k = _binding_read(fit_states, fit, d)
         predict = _ridge(X, F.one_hot(y, k).double(), lam)
         X, y, other, _ = _binding_read(eval_states, held, d)
         s = predict(X)                                                            # [M, k] class scores
         right, wrong = s.gather(1, y[:, None]), s.gather(1, other[:, None])
-        out[name] = float(((right > wrong).double() + 0.5 * (right == wrong).double()).mean())   # ties: half right
+        hit = ((right > wrong).double() + 0.5 * (right == wrong).double()).view(len(held), 2)   # ties: half right; two objects a row
+        out[name], per_row = float(hit.mean()), per_row + hit.mean(1) / 2
     out["binding"] = (out["object_to_attribute"] + out["attribute_to_object"]) / 2
     n = 2 * len(held)                                                             # reads a direction: two objects a row
     out["ci95"] = wilson95(out["binding"], 2 * n)                                 # the two directions pooled
-    return {**out, "chance": 0.5, "bar": bar, "n_read": n, "depth": held.depth, "verdict": "holds" if binding_holds(out, bar) else "fails"}
+    return {**out, "chance": 0.5, "bar": bar, "n_read": n, "depth": held.depth, "verdict": "holds" if binding_holds(out, bar) else "fails",
+            "per_row": [round(float(v), 4) for v in per_row]}                    # each held-out row's binding (both directions): paired intervals
 
 def token_table(model) -> torch.Tensor:
     "The input token embeddings [V, D] of a CaptionEncoder, a model wrapping one, a transformers BERT, or a control."
@@ -420,7 +422,7 @@ def read_spectrum(read: Callable, # batch -> states [B, L, D] (e.g. lambda b: re
         pf, ph = probe_set(tokenizer, fit_items, filler, d, capacity), probe_set(tokenizer, held_items, filler, d, capacity)
         sh = read(ph.batch)
         b = binding_probe(read(pf.batch), pf, sh, ph, bar)
-        rows.append({"depth": d, **{k: b[k] for k in ("object_to_attribute", "attribute_to_object", "binding", "ci95", "verdict", "n_read")},
+        rows.append({"depth": d, **{k: b[k] for k in ("object_to_attribute", "attribute_to_object", "binding", "ci95", "verdict", "n_read", "per_row")},
                      "similarity": span_similarity(sh, ph, ref_states, ref), "similarity_floor": span_similarity(sh, ph, ref_states, ref, other=True),
                      "similarity_reference": reference_depth})
     return rows
@@ -940,13 +942,27 @@ def repair_split(spectra: dict, # "stock", "copied positions", "trained arm": sp
            "arm_over_copy": round(z["binding"] - y["binding"], 4), "arm_over_stock": round(z["binding"] - x["binding"], 4)}
           for d, x, y, z in zip(depths, s, c, a)]
     mean = lambda k, r: (lambda v: round(float(np.mean(v)), 4) if v else None)([p[k] for p in by if p["region"] == r])
-    return {"by_depth": by, "mean": {r: {k: mean(k, r) for k in ("copy_over_stock", "arm_over_copy", "arm_over_stock")}
-                                     for r in ("before the band", "band", "past the band", "seams")}}
+    regions = ("before the band", "band", "past the band", "seams")
+    out = {"by_depth": by, "mean": {r: {k: mean(k, r) for k in ("copy_over_stock", "arm_over_copy", "arm_over_stock")} for r in regions}}
+    if all("per_row" in r for sp in (s, c, a) for r in sp):                     # paired over held-out rows: the same items in every model and depth
+        rng, ci = np.random.default_rng(0), {}
+        for r in regions:
+            at = [i for i, d in enumerate(depths) if region(d) == r]
+            if not at: continue
+            rows = lambda sp: np.mean([sp[i]["per_row"] for i in at], axis=0)  # each row's binding, averaged over the region's depths
+            for k, (x, y) in {"copy_over_stock": (s, c), "arm_over_copy": (c, a)}.items():
+                diff = rows(y) - rows(x)
+                boot = diff[rng.integers(0, len(diff), (2000, len(diff)))].mean(1)
+                ci.setdefault(r, {})[k] = (round(float(np.quantile(boot, .025)), 4), round(float(np.quantile(boot, .975)), 4))
+        out["ci95"] = ci                                                           # a paired bootstrap over held-out rows (2,000 draws)
+    return out
 
 def show_split(split: dict, label: str = ""):
-    "Print repair_split: the copy's and the training's share of the change in binding, in mean by region, then by depth."
+    "Print repair_split: the copy's and the training's share of the change in binding, in mean by region (with its paired interval when read), then by depth."
+    iv = lambda r, k: (lambda c: f" [{c[0]:+.3f}, {c[1]:+.3f}]" if c else "")(split.get("ci95", {}).get(r, {}).get(k))
     print(f"{label}binding change by region (mean over its depths): " + "; ".join(
-        f"{r}: copy over stock {m['copy_over_stock']:+.3f}, trained arm over copy {m['arm_over_copy']:+.3f}" for r, m in split["mean"].items()
+        f"{r}: copy over stock {m['copy_over_stock']:+.3f}{iv(r, 'copy_over_stock')}, trained arm over copy {m['arm_over_copy']:+.3f}{iv(r, 'arm_over_copy')}"
+        for r, m in split["mean"].items()
         if m["copy_over_stock"] is not None))
     print("  by depth (copy over stock / arm over copy): " + "  ".join(f"{p['depth']}: {p['copy_over_stock']:+.2f}/{p['arm_over_copy']:+.2f}" for p in split["by_depth"]))
 
