@@ -15,11 +15,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .benchmark import DEV_TASKS, TASK_NAMES
-from .core import GuardError, Presets, atomic_path
+from .core import GuardError, Presets, atomic_path, read_safetensors
 from .data import (Batch, FlickrImages, PairSet, RELATIONS, SceneGrammar, Scene, SceneObject, assert_no_held_out_text, assert_train_only, caption_pairs,
                               collate, flickr_unavailable, load_flickr_images)
 from .encoder import CaptionEncoder, EncoderConfig, n_params, set_residual_hook
@@ -202,10 +201,7 @@ def load_library(path, backbone: CaptionEncoder, # the backbone the arms will si
                 ) -> AmoeModel:
     "Load a saved library onto a backbone: refuses a foreign backbone unless allowed (LAWS.md law 15), and asserts the toggles."
     path = Path(path)
-    try:
-        with safe_open(str(path), "pt") as f: meta, tensors = f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e: raise GuardError(f"{path} is not a readable arm library ({e})") from e
-    if meta.get("format") != "captionbert-amoe-v1": raise GuardError(f"{path} is not a captionbert arm library (format {meta.get('format')!r})")
+    meta, tensors = read_safetensors(path, "captionbert-amoe-v1", "arm library")
     arms = []
     for spec in json.loads(meta["arms"]):
         arm = Arm(**spec)

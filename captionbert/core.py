@@ -15,7 +15,8 @@ import torch
 # %% auto #0
 __all__ = ['PRECISIONS', 'SIZES', 'PLAN_KEYS', 'GuardError', 'set_seed', 'pick_device', 'pick_precision', 'autocast',
            'sha256_file', 'sha256_bytes', 'atomic_path', 'atomic_write_bytes', 'to_jsonable', 'atomic_write_json',
-           'folder_lock', 'code_version', 'stage_hash', 'resolve_preset', 'Presets', 'member_of', 'emit_plan', 'RunDir']
+           'read_safetensors', 'folder_lock', 'code_version', 'stage_hash', 'resolve_preset', 'Presets', 'member_of',
+           'emit_plan', 'RunDir']
 
 # %% ../nbs/00_core.ipynb #03855c84
 class GuardError(RuntimeError):
@@ -115,6 +116,17 @@ def to_jsonable(obj: Any) -> Any:
 def atomic_write_json(path: str | Path, obj: Any) -> Path:
     "Write `obj` as indented JSON to `path` atomically."
     return atomic_write_bytes(path, (json.dumps(to_jsonable(obj), indent=2, sort_keys=False) + "\n").encode())
+
+def read_safetensors(path: str | Path, fmt: str, # the file and the `format` its metadata must name
+                     what: str # what the file should be, for the errors ("arm library", "depth arm")
+                    ) -> tuple[dict, dict]:
+    "(metadata, tensors) of a safetensors file the workbook wrote; an unreadable file or another format is a GuardError naming the file."
+    from safetensors import safe_open
+    try:
+        with safe_open(str(path), "pt") as f: meta, tensors = f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e: raise GuardError(f"{path} is not a readable {what} ({type(e).__name__}: {e})") from e
+    if meta.get("format") != fmt: raise GuardError(f"{path} is not a captionbert {what} (format {meta.get('format')!r})")
+    return meta, tensors
 
 # %% ../nbs/00_core.ipynb #30b44a42
 _HELD_LOCKS: set = set()

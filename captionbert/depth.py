@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from .amoe import Arm, backbone_fingerprint, check_backbone
 from .benchmark import TASK_NAMES
-from .core import GuardError, Presets, atomic_path
+from .core import GuardError, Presets, atomic_path, read_safetensors
 from .data import ATTRIBUTE_KINDS, MATERIALS, NOUNS, SIZE_WORDS, Batch, Scene, SceneGrammar, collate
 from .encoder import CaptionEncoder, LearnedPositions, set_residual_hook
 from .gauges import effective_rank
@@ -640,12 +640,8 @@ def load_depth_arm(path, backbone: nn.Module, # the trunk the arm will sit on
                    allow_foreign: bool = False # put it on a trunk other than the one it was cut for (warns; LAWS.md law 15)
                   ) -> DepthModel:
     "A saved depth arm on a trunk, engaged: an unreadable or foreign file refused naming it, the backbone guard (LAWS.md law 15) before a tensor is used, the disengage asserted bit-exact."
-    from safetensors import safe_open
     path = Path(path)
-    try:
-        with safe_open(str(path), "pt") as f: meta, tensors = f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e: raise GuardError(f"{path} is not a readable depth arm ({type(e).__name__}: {e})") from e
-    if meta.get("format") != DEPTH_ARM_FORMAT: raise GuardError(f"{path} is not a captionbert depth arm (format {meta.get('format')!r})")
+    meta, tensors = read_safetensors(path, DEPTH_ARM_FORMAT, "depth arm")
     missing = [k for k in ("backbone_fingerprint", "spec") if k not in meta]
     if missing: raise GuardError(f"{path} lacks {missing} in its metadata: not a depth arm save_depth_arm wrote")
     try: check_backbone(SimpleNamespace(backbone_fingerprint=meta["backbone_fingerprint"]), backbone, allow_foreign)
