@@ -694,8 +694,8 @@ def depth_gate(rows: Sequence[dict], # a spectrum (read_spectrum) of the engaged
         raise GuardError(f"the spectrum reaches depth {rows[-1]['depth']} but the gate covers through {through}: measure to the target length")
     shallow = reference["binding"]
     needed = chance + ratio * (shallow - chance)                                  # the binding read that keeps `ratio` of the band above chance
-    if "depth" in reference and not isinstance(reference["depth"], (tuple, list)):
-        raise ValueError(f"the gate's reference is one read at depth {reference['depth']}: give the band's read (band_read), never one point")
+    if "depth" in reference and (not isinstance(reference["depth"], (tuple, list)) or len(reference["depth"]) < MIN_BAND):
+        raise ValueError(f"the gate's reference is read at depth {reference['depth']}: give the band's read (band_read) of at least {MIN_BAND} depths, never one point")
     start = reference["depth"][0] if "depth" in reference else rows[0]["depth"]    # depths before the band (no context) are read, not gated
     per = [{"depth": r["depth"], "binding": r["binding"], "ci95": r.get("ci95"), "needed": needed, "passed": r["binding"] >= needed,
             "gated": r["depth"] >= start, "above_chance": above_chance(r["binding"], shallow, chance) if shallow > chance else None}
@@ -933,12 +933,13 @@ def repair_split(spectra: dict, # "stock", "copied positions", "trained arm": sp
     depths = [r["depth"] for r in s]
     if [r["depth"] for r in c] != depths or [r["depth"] for r in a] != depths:
         raise ValueError("the three spectra were read at different depths: read them on one plan")
-    region = lambda d: "before the band" if d < min(band) else "band" if d in band else "seams" if d in seams else "past the band"   # before: no context, inside the range
+    region = lambda d: ("before the band" if d < min(band) else "band" if d in band else "seams" if d in seams   # before: no context, inside the range
+                        else "inside the range" if d < max(band) else "past the band")   # between band depths the whole item is inside: nothing copied
     by = [{"depth": d, "region": region(d), "copy_over_stock": round(y["binding"] - x["binding"], 4),
            "arm_over_copy": round(z["binding"] - y["binding"], 4), "arm_over_stock": round(z["binding"] - x["binding"], 4)}
           for d, x, y, z in zip(depths, s, c, a)]
     mean = lambda k, r: (lambda v: round(float(np.mean(v)), 4) if v else None)([p[k] for p in by if p["region"] == r])
-    regions = ("before the band", "band", "past the band", "seams")
+    regions = ("before the band", "band", "inside the range", "past the band", "seams")
     out = {"by_depth": by, "mean": {r: {k: mean(k, r) for k in ("copy_over_stock", "arm_over_copy", "arm_over_stock")} for r in regions}}
     if all("per_row" in r for sp in (s, c, a) for r in sp):                     # paired over held-out rows: the same items in every model and depth
         rng, ci = np.random.default_rng(0), {}
@@ -947,10 +948,10 @@ def repair_split(spectra: dict, # "stock", "copied positions", "trained arm": sp
             if not at: continue
             rows = lambda sp: np.mean([sp[i]["per_row"] for i in at], axis=0)  # each row's binding, averaged over the region's depths
             for k, (x, y) in {"copy_over_stock": (s, c), "arm_over_copy": (c, a)}.items():
-                diff = rows(y) - rows(x)
+                diff = (rows(y) - rows(x)).reshape(-1, 2).mean(1)             # an item's two sides (rows 2i, 2i + 1) resampled together
                 boot = diff[rng.integers(0, len(diff), (2000, len(diff)))].mean(1)
                 ci.setdefault(r, {})[k] = (round(float(np.quantile(boot, .025)), 4), round(float(np.quantile(boot, .975)), 4))
-        out["ci95"] = ci                                                           # a paired bootstrap over held-out rows (2,000 draws)
+        out["ci95"] = ci                                                           # a paired bootstrap over held-out items (2,000 draws)
     return out
 
 def show_split(split: dict, label: str = ""):

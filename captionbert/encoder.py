@@ -8,7 +8,8 @@ __all__ = ['SIZE_TO_ARCH', 'POSITION_KINDS', 'ROUTERS', 'FFN_KINDS', 'ATTENTION_
            'NoPositions', 'Attention', 'DenseFFN', 'signed_route', 'softmax_route', 'AnchoredFFN', 'Block',
            'TokenLocal', 'attention_kind', 'EncoderOutput', 'CaptionEncoder', 'set_residual_hook', 'n_params',
            'ntk_inv_freq', 'rotary_phases', 'full_width', 'apply_rotary', 'RotaryPositions', 'wordpiece_kinds',
-           'base8_address', 'HierarchicalRotary', 'BindingRotary', 'pointer_targets', 'pointer_loss']
+           'base8_address', 'HierarchicalRotary', 'check_binding_precision', 'BindingRotary', 'pointer_targets',
+           'pointer_loss']
 
 # %% ../nbs/01b_encoder.ipynb #915b9118
 import dataclasses, importlib, math
@@ -526,6 +527,15 @@ class HierarchicalRotary(RotaryPositions):
         if not torch.equal(self.embed(x), x):
             raise RuntimeError(f"the hierarchical value path changes the embeddings at birth (max |value_path| = {self.value_path.abs().max().item():.3g}); "
                                "it must be born zero, so that the option is born equal to the relative model")
+
+def check_binding_precision(config, # an EncoderConfig
+                            precision: str # the run's resolved precision (core.pick_precision)
+                           ):
+    "Refuse a binding encoder under fp16: its pointer loss enters the backward unscaled (_AddAux), and the fp16 GradScaler's unscale_ divides that gradient by the loss scale."
+    if getattr(config, "position", None) == "binding" and precision == "fp16":
+        raise ValueError("a binding option cannot train in fp16: its pointer loss enters the backward unscaled (encoder._AddAux), and the fp16 "
+                         "GradScaler's unscale_ divides that gradient by the loss scale, so the lookup supervision silently vanishes; "
+                         "train it with precision 'bf16' or 'fp32' (TrainConfig.precision; the published recipe is bf16)")
 
 class _AddAux(torch.autograd.Function):
     "Identity on x in the forward; in the backward, also the gradient of `aux` (times 1): x's consumers' loss + aux."

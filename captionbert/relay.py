@@ -5,10 +5,10 @@ plain-MLP control at parameter parity), KL-distilled from a larger sibling, and 
 
 # %% auto #0
 __all__ = ['GATE_REACH_RATIO', 'QWEN25_VOCAB', 'QWEN25_05B', 'QWEN25_15B', 'BPE_SPECIALS', 'RELAY_KINDS', 'TEACHER_MARGIN',
-           'RELAY_BANDS', 'LOWER_IS_BETTER', 'MAP_BARS', 'LMShape', 'gate_travel_needed', 'lr_travel',
-           'placement_reading', 'RelayConfig', 'train_bpe', 'lm_nll', 'logits_of', 'LMLoss', 'row_nll', 'perplexity',
-           'build_lm', 'fit', 'Relay', 'weights_fingerprint', 'decoder_layers', 'RelayModel', 'check_parity',
-           'relay_pair', 'check_same_vocab', 'token_kl', 'check_teacher_ahead', 'DistillLoss', 'row_kl', 'held_out_kl',
+           'RELAY_BANDS', 'LOWER_IS_BETTER', 'MAP_BARS', 'LMShape', 'gate_travel_needed', 'placement_reading',
+           'RelayConfig', 'train_bpe', 'lm_nll', 'logits_of', 'LMLoss', 'row_nll', 'perplexity', 'build_lm', 'fit',
+           'Relay', 'weights_fingerprint', 'decoder_layers', 'RelayModel', 'check_parity', 'relay_pair',
+           'check_same_vocab', 'token_kl', 'check_teacher_ahead', 'DistillLoss', 'row_kl', 'held_out_kl',
            'site_contributions', 'distill', 'cloze_items', 'cloze_correct', 'cloze_accuracy', 'bootstrap_interval',
            'paired_verdict', 'map_verdict', 'shared_word_pairs', 'minilm_token_vectors', 'fit_token_map', 'map_top1',
            'token_map_study', 'load_hub_lm', 'lm_eval_scores']
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from .amoe import sinh_route
 from .core import GuardError, RunDir, set_seed, to_jsonable
 from .data import TokenStore, collate, tokenizer_fingerprint
-from .train import BatchPlan, TrainConfig, check_resume_config, latest_checkpoint, load_checkpoint, lr_at, train
+from .train import BatchPlan, TrainConfig, check_resume_config, latest_checkpoint, load_checkpoint, summed_lr, train
 
 # %% ../nbs/12_relay.ipynb #a514173f
 @dataclasses.dataclass(frozen=True)
@@ -60,11 +60,6 @@ def gate_travel_needed(gate_init: float, # the gate's logit at birth
         raise ValueError(f"a {ratio}-fold change from the opening {s0:.4f} (gate {gate_init}) is not a reachable opening: pick 1 < ratio < {1 / s0:.1f}")
     logit = lambda p: math.log(p / (1 - p))
     return max(logit(ratio * s0) - gate_init, gate_init - logit(s0 / ratio))
-
-def lr_travel(tc: TrainConfig) -> float:
-    "Σ lr over a TrainConfig's schedule: about how far Adam can move one scalar parameter (one lr a step at most, typically)."
-    from captionbert.train import summed_lr
-    return summed_lr(tc)
 
 def placement_reading(reach: float, # the gates' reachable logit travel (RelayConfig.gate_reach)
                       needed: float # the travel the effect needs (gate_travel_needed)
@@ -157,10 +152,10 @@ class RelayConfig:
     def gate_lr_scale(self) -> float:
         "The gates' lr multiplier in distillation: the least m ≥ 1 whose Σlr·m reaches a gate_reach_ratio-fold change (1 if None)."
         if self.gate_reach_ratio is None: return 1.0
-        return max(1.0, gate_travel_needed(self.gate_init, self.gate_reach_ratio) / lr_travel(self._stage_config("distill")))
+        return max(1.0, gate_travel_needed(self.gate_init, self.gate_reach_ratio) / summed_lr(self._stage_config("distill")))
     def gate_reach(self) -> float:
         "The gates' reachable logit travel in distillation, ± this: Σlr × the gates' multiplier."
-        return lr_travel(self._stage_config("distill")) * self.gate_lr_scale()
+        return summed_lr(self._stage_config("distill")) * self.gate_lr_scale()
 
 # %% ../nbs/12_relay.ipynb #507d72ec
 BPE_SPECIALS = ("<pad>", "<bos>", "<eos>")     # ids 0, 1, 2

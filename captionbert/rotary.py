@@ -148,11 +148,9 @@ def completed_option_run(cfg: RotaryConfig, # the study's size
 def check_option_precision(enc: EncoderConfig, # the option's encoder
                            precision: str # the run's resolved precision (core.pick_precision)
                           ):
-    "Refuse a binding option under fp16: the loss scaler would silently scale its lookup supervision away."
-    if enc.position == "binding" and precision == "fp16":
-        raise ValueError("a binding option cannot train in fp16: its pointer loss enters the backward unscaled (encoder._AddAux), and the fp16 "
-                         "GradScaler's unscale_ divides that gradient by the loss scale, so the lookup supervision silently vanishes; "
-                         "train it with precision 'bf16' or 'fp32' (TrainConfig.precision; the published recipe is bf16)")
+    "Refuse a binding option under fp16 before anything is read (the one loop refuses it again where the model meets the scaler)."
+    from captionbert.encoder import check_binding_precision
+    check_binding_precision(enc, precision)
 
 def train_option_run(cfg: RotaryConfig, # the study's size
                      option: str, # a key of OPTIONS

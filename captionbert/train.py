@@ -275,6 +275,9 @@ def train(model: torch.nn.Module, # the model (its parameters that require grad 
     rank, world = _world()
     device = pick_device(device) if not isinstance(device, torch.device) else device
     precision = pick_precision(device, cfg.precision)
+    from captionbert.encoder import CaptionEncoder, check_binding_precision
+    for m in model.modules():                                   # where the model meets the fp16 scaler: a binding encoder is refused (any wrapper)
+        if isinstance(m, CaptionEncoder): check_binding_precision(m.config, precision)
     run_config = to_jsonable({**(config or {}), "train": cfg})
     model.to(device)
     opt = torch.optim.Adam(param_groups(model, cfg), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda")

@@ -156,3 +156,15 @@ def test_pointer_targets_equal_the_per_word_loop():
     ids, tm = enc["input_ids"], enc["attention_mask"].bool(); kind = wordpiece_kinds(30522).long()[ids]
     got = pointer_targets(ids, kind, tm)
     assert torch.equal(got, _pointer_targets_by_loop(ids, kind, tm)) and int((got >= 0).sum()) == 3, got   # a, snowboarder; the (snowboarders is another word)
+
+
+def test_the_one_loop_refuses_a_binding_encoder_under_fp16_inside_any_wrapper(tmp_path):
+    "Where the model meets the fp16 scaler: a binding encoder is refused before a step (catches a check left in 11's caller only)."
+    import torch.nn as nn
+    from captionbert.core import RunDir
+    from captionbert.encoder import CaptionEncoder, EncoderConfig
+    from captionbert.train import TrainConfig, train
+    wrapped = nn.ModuleDict({"inner": CaptionEncoder(EncoderConfig.tiny(position="binding"))})
+    with pytest.raises(ValueError, match="cannot train in fp16"):
+        train(wrapped, lambda step: None, lambda *a: None, TrainConfig(precision="fp16", max_steps=1), RunDir(tmp_path / "r"), {"rows": "none"})
+    assert not (tmp_path / "r" / "checkpoints").exists()
