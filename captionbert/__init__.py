@@ -1,1 +1,7 @@
+"""A notebook-first research workbook for consensus distillation of text encoders
+
+Modules:
+
+- `captionbert.architecture`: The workbook's layering, read from its code: every module's imports of the workbook, by the notebook it is exported from. A module imports only modules numbered before it (no circle can form), a function-level import is the exception a comment explains, and `ARCHITECTURE.md`'s graph is generated here, so it cannot drift: `python -m captionbert.architecture --check` fails when the code breaks the order or the page differs from it."""
+
 __version__ = "0.1.0"

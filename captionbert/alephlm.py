@@ -88,11 +88,10 @@ class AlephConfig(Presets):
         m = routing_budget_scale(tc, AlephConfig.published().train_config())
         return dataclasses.replace(tc, lr_scales=tuple((k, m) for k in ROUTING_PARAMS))
     def routing_travel(self) -> dict:
-        "How far Adam can carry an anchored arm's routing parameters at this size: directed Σ lr·m, random walk √Σ (lr·m)²."
-        from captionbert.train import lr_at
+        "How far Adam can carry an anchored arm's routing parameters at this size: directed Σ lr·m, random walk √Σ (lr·m)² (train.summed_lr)."
+        from captionbert.train import summed_lr
         tc, m = self.train_config("a1"), self.routing_scale()
-        lrs = [lr_at(s, tc) * m for s in range(tc.max_steps)]
-        return {"multiplier": m, "directed": sum(lrs), "random_walk": math.sqrt(sum(x * x for x in lrs))}
+        return {"multiplier": m, "directed": m * summed_lr(tc), "random_walk": m * math.sqrt(summed_lr(tc, power=2))}
     def routing_scale(self) -> float:
         "The lr multiplier of the routing parameters of an anchored arm at this size (1.0 under the card's recipe)."
         return dict(self.train_config("a1").lr_scales).get(ROUTING_PARAMS[0], 1.0)
@@ -118,7 +117,7 @@ def routing_vitals(model: CaptionEncoder, # an anchored trunk
     usage, neg, tokens, seen, routed = torch.zeros(len(parts), K), torch.zeros(K), 0, {}, False
     def hook(i):
         def f(mod, inp, out):                                          # inp[0]: the FFN's packed input [T, D]
-            t = mod.trunk_out(F.gelu(mod.trunk_in(inp[0])))
+            t = mod.trunk_expert(inp[0])                               # the encoder's own trunk expert, unfused
             seen[i] = ((out - t).float().norm(dim=-1).sum(), t.float().norm(dim=-1).sum())
         return f
     handles = [p.register_forward_hook(hook(i)) for i, p in enumerate(parts)]
@@ -229,11 +228,14 @@ def held_out_cosine(model, # a trained arm (its routing as configured)
 
 def dispatch_value(on: float, off: float, # held-out target cosine with the dispatch on and OFF
                    band: float = S0E_BAND["target_cosine"]) -> dict:
-    "What the dispatch carries on the objective: on − OFF against the declared band (a woken dispatch may still carry nothing)."
+    "What the dispatch does to the objective: on − OFF against the declared band, read both ways (it helps, it hurts, or neither is measurable)."
     d = on - off
-    return {"on": on, "off": off, "delta": d, "band": band, "carries": d > band,
-            "line": f"dispatch on - OFF {d:+.4f} held-out target cosine ({off:.4f} -> {on:.4f}), " +
-                    (f"outside the band {band}: the dispatch carries objective" if d > band else f"not above the band {band}: the dispatch carries no measurable objective")}
+    effect = "helps" if d > band else "hurts" if d < -band else "none"           # a dispatch that costs the objective is a finding too
+    said = {"helps": f"above the band {band}: the dispatch carries objective",
+            "hurts": f"below -{band}: the dispatch hurts the objective (switching it OFF reads better)",
+            "none": f"inside the band ±{band}: the dispatch carries no measurable objective"}[effect]
+    return {"on": on, "off": off, "delta": d, "band": band, "effect": effect, "carries": effect == "helps",
+            "line": f"dispatch on - OFF {d:+.4f} held-out target cosine ({off:.4f} -> {on:.4f}), {said}"}
 
 def s0a_verdict(consensus_rank: float, member_rank: float, # effective ranks on the same rows, L2-normalized
                 member_ood_rank: Optional[float] = None, # the member on out-of-domain text (None: not measured)

@@ -22,8 +22,10 @@ from .gauges import QuerySetReport, query_set_report, retrieval_r1
 from .teachers import ROSTERS
 
 # %% auto #0
-__all__ = ['RowEmbeddings', 'AlignmentMap', 'fit_alignment', 'AlignmentScore', 'evaluate_alignment', 'check_queries',
-           'identity_map', 'fit_roster', 'frame_fingerprint', 'AlignmentConfig', 'split_rows']
+__all__ = ['MIN_VARIANCE', 'MIN_RANK', 'MIN_RANK_DIMS', 'RANK_TOL', 'PUBLISHED_CAPTIONS', 'RowEmbeddings', 'AlignmentMap',
+           'fit_alignment', 'AlignmentScore', 'evaluate_alignment', 'check_queries', 'identity_map', 'fit_roster',
+           'frame_fingerprint', 'AlignmentConfig', 'split_rows', 'generalization_gap', 'positive_control', 'r1_gap',
+           'r1_control']
 
 # %% ../nbs/03_alignment.ipynb #33554b06
 def _ids(rows) -> torch.Tensor:
@@ -90,6 +92,54 @@ def _whiten_colour(c: torch.Tensor, # [D, D] covariance (float64)
     lam, v = torch.linalg.eigh(c)
     lam = lam.clamp_min(0) + eps * lam.clamp_min(0).mean()
     return (v * lam.rsqrt()) @ v.T, (v * lam.sqrt()) @ v.T
+
+def _some_rows(ids: torch.Tensor, # corpus row ids (or positions, with that label)
+               k: int = 5, # how many to name
+               label: str = "corpus row ids"
+              ) -> str:
+    "A count and the first few row ids, for a message."
+    ids = ids.reshape(-1).tolist()
+    return f"{len(ids)} row{'' if len(ids) == 1 else 's'} ({label} {ids[:k]}{' ...' if len(ids) > k else ''})"
+
+def _check_finite(x: torch.Tensor, # [n, D] one teacher's vectors
+                  ids: torch.Tensor, # [n] their corpus row ids
+                  teacher: str, what: str, # the teacher, and which rows these are ("fit rows", "scored rows")
+                  label: str = "corpus row ids" # what `ids` are
+                 ):
+    "ValueError naming the teacher and the corpus row ids of every row of x that holds NaN or inf."
+    bad = ~torch.isfinite(x).all(-1)
+    if bad.any(): raise ValueError(f"teacher {teacher!r}: NaN or inf embeddings in {_some_rows(ids[bad], label=label)} of the {len(ids)} {what}; "
+                                   f"re-embed those rows (the teacher or its store is broken there), or leave them out of the {what}")
+
+MIN_VARIANCE = 1e-10      # centred variance / mean squared norm below this: a constant teacher
+MIN_RANK, MIN_RANK_DIMS = 0.05, 4   # covariance rank below 5% of min(D, N - 1), or below 4 directions: too low to whiten (a broken teacher, not a small vocabulary)
+RANK_TOL = 1e-10          # an eigenvalue counts toward the rank above this fraction of the largest
+
+def _teacher_moments(x: torch.Tensor, # [n, D] one teacher's vectors on the fit rows
+                     ids: torch.Tensor, # [n] their corpus row ids
+                     teacher: str # its name, for the message
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    "(mean [D], covariance [D, D]) in FP64; ValueError naming the teacher when a row is not finite or it cannot be whitened (all zero, constant, rank far too low)."
+    x = x.double(); n, d = x.shape
+    _check_finite(x, ids, teacher, "fit rows")
+    if not x.any():
+        raise ValueError(f"teacher {teacher!r} gives the zero vector on all {n} fit rows: it carries nothing to align. Check how it was "
+                         "loaded and pooled (weights that never loaded, a layer past the model, a vocabulary that matches no word) and "
+                         "leave it out of the roster")
+    mu = x.mean(0); xc = x - mu
+    c = xc.T @ xc / (n - 1)
+    spread, size = float(c.trace()), float((x ** 2).sum(1).mean())
+    if spread <= MIN_VARIANCE * size:
+        raise ValueError(f"teacher {teacher!r} is constant on the {n} fit rows: centred variance {spread:.3g} against a mean squared norm "
+                         f"of {size:.3g}, so there is no covariance to whiten. It gives (nearly) the same vector for every caption; "
+                         "check how it was loaded and pooled, and leave it out of the roster")
+    lam = torch.linalg.eigvalsh(c)
+    rank, need = int((lam > RANK_TOL * lam[-1]).sum()), min(d, n - 1)
+    if rank < max(MIN_RANK_DIMS, MIN_RANK * need):
+        raise ValueError(f"teacher {teacher!r}'s vectors span {rank} of their {d} dimensions on the {n} fit rows (at least "
+                         f"{max(MIN_RANK_DIMS, MIN_RANK * need):.0f} of the {need} the rows could show are needed): whitening would divide the other {d - rank} by the ridge alone. "
+                         "Check how it was loaded and pooled, or leave it out of the roster")
+    return mu, c
 
 @dataclasses.dataclass(eq=False)
 class AlignmentMap:
@@ -164,16 +214,13 @@ def fit_alignment(source: RowEmbeddings, # a teacher's embeddings with their cor
                   teacher: str = "source", reference_name: str = "reference",
                   eps: float = 1e-5 # covariance ridge relative to the mean eigenvalue
                  ) -> AlignmentMap:
-    "Fit one global whitened-Procrustes map of `source` into `reference`'s frame on the given rows (FP64)."
+    "Fit one global whitened-Procrustes map of `source` into `reference`'s frame on the given rows (FP64); refuses, naming the teacher, rows that are not finite and teachers too degenerate to whiten."
     source, reference = _row_embeddings(source, "source"), _row_embeddings(reference, "reference")
     rows = _ids(rows)
     if len(rows) < 2: raise ValueError("a map needs at least 2 fit rows")
     if len(torch.unique(rows)) != len(rows): raise ValueError("the fit rows contain duplicates")
     xs, xr = source.take(rows).double(), reference.take(rows).double()
-    if not (torch.isfinite(xs).all() and torch.isfinite(xr).all()): raise ValueError("the fit rows contain NaN or inf embeddings")
-    mu_s, mu_r = xs.mean(0), xr.mean(0)
-    cs = (xs - mu_s).T @ (xs - mu_s) / (len(rows) - 1)
-    cr = (xr - mu_r).T @ (xr - mu_r) / (len(rows) - 1)
+    (mu_s, cs), (mu_r, cr) = _teacher_moments(xs, rows, teacher), _teacher_moments(xr, rows, reference_name)
     w_s, _ = _whiten_colour(cs, eps); w_r, c_r = _whiten_colour(cr, eps)
     zs, zr = (xs - mu_s) @ w_s, (xr - mu_r) @ w_r
     u, _, vh = torch.linalg.svd(zs.T @ zr, full_matrices=False)
@@ -212,7 +259,9 @@ def evaluate_alignment(amap: AlignmentMap, # a fitted map
                          "were used to fit it: a map is never scored on its fit rows (LAWS.md law 3). Rows are corpus ids; draw held-out "
                          "ones, e.g. stratified_sample(..., exclude=amap.fit_rows)")
     if in_sample and not used.all(): raise ValueError("in_sample=True scores fit rows only; pass rows from amap.fit_rows")
-    a, r = amap.apply(source.take(rows)), amap.frame(reference.take(rows))
+    xs, xr = source.take(rows), reference.take(rows)
+    _check_finite(xs, rows, amap.teacher, "scored rows"); _check_finite(xr, rows, amap.reference, "scored rows")
+    a, r = amap.apply(xs), amap.frame(xr)
     rep = retrieval_r1(a, r, gallery_sizes=(gallery,), seed=seed)
     g = next(iter(rep.r1))
     return AlignmentScore(amap.teacher, "in-sample" if in_sample else "out-of-sample", len(rows), g, rep.r1[g],
@@ -238,7 +287,8 @@ def identity_map(reference: RowEmbeddings, # the reference's embeddings with the
     "The reference member's own map: centring at the fit-sample mean, identity otherwise."
     rows = _ids(rows)
     x = _row_embeddings(reference, "reference").take(rows).double(); eye = torch.eye(x.shape[1], dtype=torch.float64)
-    return AlignmentMap(name, name, x.mean(0), eye, eye, eye, x.mean(0), rows.sort().values, 0.0)
+    mu, _ = _teacher_moments(x, rows, name)          # a reference that is not finite, all zero or constant defines no frame
+    return AlignmentMap(name, name, mu, eye, eye, eye, mu, rows.sort().values, 0.0)
 
 def fit_roster(embeddings: dict, # teacher name -> RowEmbeddings (the whole corpus or any subset holding the fit rows)
                reference: str, # the reference member's name
@@ -259,6 +309,22 @@ def frame_fingerprint(maps: dict # teacher -> AlignmentMap
     return sha256_bytes("|".join(f"{t}:{maps[t].fingerprint}" for t in sorted(maps)).encode())
 
 # %% ../nbs/03_alignment.ipynb #8a1e61ad
+# The published corpus, as far as the public record goes (issue 26). None of it can be verified offline.
+# - The program names its data AbstractPhil/conceptual-captions-12m-webdataset-berts: "12m conceptual-captions bert
+#   extractions aka 36m extractions * 5 models", in .pt chunks. Its companion AbstractPhil/captionbert-8192-v2-consensus
+#   holds the consensus targets.
+# - v2 trained on 54 of 66 chunks (26.9M rows), v2-B on all 66 (31,905,616 rows). The AlephLM card splits them into 64
+#   train + 2 held-out chunks. The chunks' sizes are not published.
+# - The captions: CaptionEmporium/conceptual-captions-cc12m-llavanext, 21,930,344 captions of 10,965,172 images (two an
+#   image) in one train split, one train.jsonl.gz of 3.58 GB. Its columns include caption_llava, caption_llava_short
+#   and caption (the alt-text), and url. One column holds ~11M rows; with "36m extractions" this suggests several
+#   columns flattened, about 3 an image (3 x 10,965,172 = 32,895,516 cells, 989,900 more than 31,905,616).
+# PUBLISHED_CAPTIONS is that hypothesis, not a fact: three columns, flattened in the order named (data.FLAT_IDS).
+# Which columns, in what order, and how empty cells were treated are not known here. `python -m captionbert.consensus
+# inspect --source <spec>` counts a spec where the hub is. The row check (consensus.check_corpus_rows) builds on it
+# only when it holds 31,905,616 rows, or when the user accepts the count it holds (--accept-rows N).
+PUBLISHED_CAPTIONS = "hub:CaptionEmporium/conceptual-captions-cc12m-llavanext:caption_llava+caption_llava_short+caption"
+
 @dataclasses.dataclass(frozen=True)
 class AlignmentConfig:
     "What an alignment study (and the consensus built on it) runs on."
@@ -273,21 +339,30 @@ class AlignmentConfig:
     seed: int = 0
     batch_size: int = 64                     # teacher forward batch
     shard_size: int = 4096                   # rows per embedding shard
+    accept_rows: int | None = None           # rows the captions are accepted to hold where they differ from their spec's declared count (consensus.EXPECTED_ROWS): --accept-rows
 
     @classmethod
     def smoke(cls): return cls(name="smoke", limit=16_000)
     @classmethod
     def cpu(cls): return cls(name="cpu")
     @classmethod
-    def published(cls): return cls(name="published", roster="hub", captions="hub:CaptionEmporium/conceptual-captions-cc12m-llavanext:caption_llava",
+    def published(cls): return cls(name="published", roster="hub", captions=PUBLISHED_CAPTIONS,
                                    limit=31_905_616, fit_n_over_d=24_000 / 768, batch_size=256, shard_size=65_536)
     # published: the whole v2-B corpus (31,905,616 rows; v2 trains on its first 26,904,576), one set of maps for both siblings,
-    # fit on 24k rows (N/d 31.3 at bert-base's 768) drawn from the whole corpus
+    # fit on 24k rows (N/d 31.3 at bert-base's 768) drawn from the whole corpus. `limit` is the declared length a streamed
+    # source needs; the row check, on `inspect`'s count, makes sure it cuts nothing
     REFERENCE_WIDTH: ClassVar[dict] = {"hub": 768, "offline": 384, "offline-mixed": 384, "offline-weak": 384}   # the targets' D per roster
     PRESETS: ClassVar[tuple] = SIZES         # the preset names: the one vocabulary of run sizes
 
     def __post_init__(self):
         if self.roster not in ROSTERS: raise ValueError(f"unknown roster {self.roster!r}: use one of {list(ROSTERS)} (teachers.ROSTERS)")
+        if self.accept_rows is not None and (isinstance(self.accept_rows, bool) or not isinstance(self.accept_rows, int) or self.accept_rows <= 0):
+            raise ValueError(f"accept_rows must be a positive whole number of rows (the count the captions were found to hold), got {self.accept_rows!r}")
+    def accepting(self, rows: int # the rows the captions were counted to hold (`inspect`, or the row check's refusal)
+                 ) -> "AlignmentConfig":
+        "This config with `rows` accepted as what its captions hold; a hub source reads up to its declared length (`limit`), which becomes `rows`; a local source's limit is a cut, and stays."
+        hub = (self.captions or "").startswith("hub:") and self.limit is not None
+        return dataclasses.replace(self, accept_rows=rows, limit=rows if hub else self.limit)
     @classmethod
     def preset(cls, name: str, # smoke, cpu, published, or "auto" (see core.resolve_preset)
                roster: str | None = None # a name of teachers.ROSTERS; None = the preset's own roster
@@ -319,3 +394,32 @@ def split_rows(lengths: Sequence[int], # caption length of every row (for strati
     eval_rows = stratified_sample(lengths, cfg.eval_rows, seed=cfg.seed + 1)
     n_fit = min(cfg.fit_rows_for(width, n_over_d), len(lengths) - len(eval_rows))
     return stratified_sample(lengths, n_fit, seed=cfg.seed, exclude=eval_rows), eval_rows
+
+# %% ../nbs/03_alignment.ipynb #2039c020
+def generalization_gap(res: dict, # teacher -> (in-sample, out-of-sample) AlignmentScore of one fit
+                       teacher: str) -> float:
+    "Generalization gap of one teacher's fit: (R@1 in - out) + (cosine in - out)."
+    i, o = res[teacher]; return (i.r1 - o.r1) + (i.mean_cosine - o.mean_cosine)
+
+def positive_control(small: dict, large: dict, # the fits at the small and the large N/d: teacher -> (in, out) AlignmentScore
+                     factor: float = 3.0, floor: float = 1e-3) -> dict:
+    "GuardError unless the small fit's generalization gap is at least `factor` times the large fit's, for every teacher; returns {teacher: (small gap, large gap)}."
+    bad = {t: (round(generalization_gap(small, t), 4), round(generalization_gap(large, t), 4)) for t in large
+           if not generalization_gap(small, t) > factor * max(generalization_gap(large, t), floor)}
+    if bad: raise GuardError(f"positive control failed (LAWS.md law 5): small-fit vs large-fit gap {bad}; retention cannot be cited")
+    return {t: (generalization_gap(small, t), generalization_gap(large, t)) for t in large}
+
+def r1_gap(res: dict, teacher: str) -> float:
+    "R@1 generalization gap of one teacher's fit: in-sample minus out-of-sample R@1."
+    i, o = res[teacher]; return i.r1 - o.r1
+
+def r1_control(small: dict, large: dict, # as for positive_control
+               members: Sequence[str], # the teachers of another family than the reference (trained apart from it)
+               factor: float = 3.0, floor: float = 0.005, min_x_chance: float = 10.0) -> dict:
+    "GuardError unless each member's R@1 at the large fit is far above chance and its R@1 gap at the small fit >= factor x the large fit's; returns {member: (small R@1 out, large R@1 out)}."
+    if not members: raise GuardError("the R@1 control needs a member of another family than the reference; this roster has none")
+    bad = {t: (round(r1_gap(small, t), 4), round(r1_gap(large, t), 4), round(large[t][1].x_chance)) for t in members
+           if not (large[t][1].x_chance >= min_x_chance and r1_gap(small, t) >= factor * max(r1_gap(large, t), floor))}
+    if bad: raise GuardError(f"R@1 control failed (LAWS.md law 5): R@1 gap at the small vs large fit, and x chance at the large fit {bad}; "
+                             "this R@1 cannot be cited as generalizing")
+    return {t: (small[t][1].r1, large[t][1].r1) for t in members}

@@ -22,26 +22,13 @@ from .core import GuardError, Presets, atomic_path, read_safetensors
 from .data import (Batch, FlickrImages, PairSet, RELATIONS, SceneGrammar, Scene, SceneObject, assert_no_held_out_text, assert_train_only, caption_pairs,
                               collate, flickr_unavailable, load_flickr_images)
 from .encoder import CaptionEncoder, EncoderConfig, n_params, set_residual_hook
+from .routers import sinh_route
 
 # %% auto #0
-__all__ = ['SYNONYMS', 'HUB_PAIRS', 'PAIR_SOURCES', 'BACKBONE_SEED', 'sinh_route', 'Arm', 'backbone_fingerprint', 'ArmLibrary',
+__all__ = ['SYNONYMS', 'HUB_PAIRS', 'PAIR_SOURCES', 'BACKBONE_SEED', 'Arm', 'backbone_fingerprint', 'ArmLibrary',
            'check_backbone', 'AmoeModel', 'save_library', 'assert_toggle_exact', 'load_library', 'grammar_pairs',
            'hub_pairs', 'PairPlan', 'PairLoss', 'train_arm', 'amplitude_shares', 'greedy_roster', 'ArmStudyConfig',
            'study_pairs', 'backbone_runs', 'backbone_expectation', 'check_backbone_run', 'resolve_backbones']
-
-# %% ../nbs/06_amoe.ipynb #f7419de5
-def sinh_route(h: torch.Tensor, # [..., D] hidden states
-               keys: torch.Tensor, # [K, D] one routing key per arm
-               tau: float = 0.10, # routing temperature
-               mask: Optional[torch.Tensor] = None # [K] 1 for active arms; a masked arm keeps its share of the denominator
-              ) -> torch.Tensor:
-    "Signed graded routing weights w_k = sinh(u_k) / sum_j cosh(u_j), u_k = cos(h, a_k) / tau; [..., K]."
-    if tau <= 0: raise ValueError(f"tau must be positive, got {tau}")
-    u = F.normalize(h.float(), dim=-1) @ F.normalize(keys.float(), dim=-1).T / tau        # [..., K]
-    m = u.abs().amax(-1, keepdim=True)                                                     # shift: every exponent <= 0
-    pos, neg = (u - m).exp(), (-u - m).exp()
-    w = (pos - neg) / (pos + neg).sum(-1, keepdim=True)
-    return w if mask is None else w * mask.to(w.dtype)
 
 # %% ../nbs/06_amoe.ipynb #44e6cdab
 class Arm(nn.Module):

@@ -6,16 +6,16 @@ the equal-weight mean, and the geometry of each model on STS-B sentences — one
 # %% ../nbs/02_benchmark.ipynb #0b62adda
 from __future__ import annotations
 
-import argparse, dataclasses, json, time
+import argparse, dataclasses, json, os, shutil, tempfile, time
 from pathlib import Path
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .core import atomic_write_json, code_version, sha256_bytes
+from .core import atomic_write_json, check_writable, code_version, sha256_bytes
 from .data import STS_DIR_VAR, bundled_minilm_path, find_data, repo_root
 from .gauges import effective_rank, entropy_effective_rank, self_cosine, simplex_cv, spearman
 from .teachers import TeacherGroup, TeacherSpec, require_source
@@ -23,11 +23,12 @@ from .data import collate, load_tokenizer, sorted_batches
 from .encoder import CaptionEncoder
 
 # %% auto #0
-__all__ = ['STS_TASKS', 'TASK_NAMES', 'FAST_TASKS', 'DEV_TASKS', 'HUB_RETRY_S', 'NAMED_MODELS', 'StsTask', 'StsData',
-           'read_sts_tsv', 'load_sts_task', 'sts_unavailable', 'Encoder', 'HFEncoder', 'StudentEncoder',
-           'pooled_outputs', 'minilm_encoder', 'teacher_encoder', 'load_encoder', 'pair_spearman', 'evaluate',
-           'evaluate_views', 'save_results', 'load_results', 'published_results', 'results_table', 'results_figure',
-           'main']
+__all__ = ['STS_TASKS', 'TASK_NAMES', 'FAST_TASKS', 'DEV_TASKS', 'HUB_RETRY_S', 'NAMED_MODELS', 'HARNESS_SOURCE', 'STS_HUB_TASK',
+           'StsTask', 'StsData', 'read_sts_tsv', 'load_sts_task', 'sts_unavailable', 'Encoder', 'HFEncoder',
+           'StudentEncoder', 'pooled_outputs', 'minilm_encoder', 'teacher_encoder', 'load_encoder', 'pair_spearman',
+           'evaluate', 'evaluate_views', 'save_results', 'load_results', 'reported_tasks', 'data_revision',
+           'hub_eval_results', 'mteb_model_name', 'mteb_model_meta', 'mteb_task_results', 'mteb_folder',
+           'write_mteb_results', 'published_results', 'results_table', 'results_figure', 'main']
 
 # %% ../nbs/02_benchmark.ipynb #60fc387a
 @dataclasses.dataclass(frozen=True)
@@ -40,17 +41,18 @@ class StsTask:
     score_min: float = 0.0           # gold score range of the data
     score_max: float = 5.0
     main_score: str = "cosine_spearman"   # Spearman of cosine similarity against the gold scores
+    mteb_name: str = ""              # the task's name in mteb's registry: its result files and model-index rows are named by it
 
 STS_TASKS = {t.name: t for t in (
-    StsTask("stsb", "mteb/stsbenchmark-sts", "b0fddb56ed78048fa8b90373c8a3cfc37b684831"),
-    StsTask("sickr", "mteb/sickr-sts", "20a6d6f312dd54037fe07a32d58e5e168867909d", score_min=1.0),
-    StsTask("sts12", "mteb/sts12-sts", "a0d554a64d88156834ff5ae9920b964011b16384"),
-    StsTask("sts13", "mteb/sts13-sts", "7e90230a92c190f1bf69ae9002b8cea547a64cca"),
-    StsTask("sts14", "mteb/sts14-sts", "6031580fec1f6af667f0bd2da0a551cf4f0b2375"),
-    StsTask("sts15", "mteb/sts15-sts", "ae752c7c21bf194d8b67fd573edf7ae58183cbe3"),
-    StsTask("sts16", "mteb/sts16-sts", "4d8694f8f0e0100860b497b999b3dbed754a0513"),
-    StsTask("biosses", "mteb/biosses-sts", "d3fb88f8f02e40887cd149695127462bbcf29b4a", score_max=4.0),
-    StsTask("stsb_dev", "mteb/stsbenchmark-sts", "b0fddb56ed78048fa8b90373c8a3cfc37b684831", split="validation"),
+    StsTask("stsb", "mteb/stsbenchmark-sts", "b0fddb56ed78048fa8b90373c8a3cfc37b684831", mteb_name="STSBenchmark"),
+    StsTask("sickr", "mteb/sickr-sts", "20a6d6f312dd54037fe07a32d58e5e168867909d", score_min=1.0, mteb_name="SICK-R"),
+    StsTask("sts12", "mteb/sts12-sts", "a0d554a64d88156834ff5ae9920b964011b16384", mteb_name="STS12"),
+    StsTask("sts13", "mteb/sts13-sts", "7e90230a92c190f1bf69ae9002b8cea547a64cca", mteb_name="STS13"),
+    StsTask("sts14", "mteb/sts14-sts", "6031580fec1f6af667f0bd2da0a551cf4f0b2375", mteb_name="STS14"),
+    StsTask("sts15", "mteb/sts15-sts", "ae752c7c21bf194d8b67fd573edf7ae58183cbe3", mteb_name="STS15"),
+    StsTask("sts16", "mteb/sts16-sts", "4d8694f8f0e0100860b497b999b3dbed754a0513", mteb_name="STS16"),
+    StsTask("biosses", "mteb/biosses-sts", "d3fb88f8f02e40887cd149695127462bbcf29b4a", score_max=4.0, mteb_name="BIOSSES"),
+    StsTask("stsb_dev", "mteb/stsbenchmark-sts", "b0fddb56ed78048fa8b90373c8a3cfc37b684831", split="validation", mteb_name="STSBenchmark"),
 )}
 TASK_NAMES = ("stsb", "sickr", "sts12", "sts13", "sts14", "sts15", "sts16", "biosses")   # the eight test sets: the mean
 FAST_TASKS = ("stsb", "biosses")   # the fast subset: what the smoke size scores (STS-B for geometry, BIOSSES is the smallest)
@@ -68,6 +70,11 @@ class StsData:
     @property
     def sha256(self) -> str:
         return sha256_bytes("".join(f"{a}\t{b}\t{float(s)!r}\n" for a, b, s in zip(self.sentence1, self.sentence2, self.scores)).encode())
+    def __post_init__(self):
+        s = np.asarray(self.scores, dtype=np.float64)
+        if len(s) and (s == s[0]).all():   # the one place every task's data passes through, from a file or the hub
+            raise ValueError(f"{self.origin}: all {len(s)} pairs have the gold score {s[0]:g}, so nothing ranks them and Spearman is "
+                             "undefined (NaN): the file is damaged or is not an STS task; restore it (or drop the task)")
     def __len__(self): return len(self.scores)
     def __repr__(self): return f"StsData({self.task.name}, pairs={len(self)}, from {self.origin})"
 
@@ -76,7 +83,13 @@ def read_sts_tsv(path: str | Path, # a <task>.tsv file
                 ) -> StsData:
     "Read and validate a `sentence1<TAB>sentence2<TAB>score` file; errors name the file and line."
     path = Path(path)
-    lines = path.read_text(encoding="utf-8").split("\n")
+    raw = path.read_bytes()
+    try: text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:                 # the line and column of the first bad byte, not a bare codec error
+        line, col = raw.count(b"\n", 0, e.start) + 1, e.start - raw.rfind(b"\n", 0, e.start)
+        raise ValueError(f"{path}:{line}: byte 0x{raw[e.start]:02x} at column {col} is not UTF-8 ({e.reason}): save the file as "
+                         "UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+    lines = text.split("\n")
     if lines and lines[-1] == "": lines.pop()
     if not lines or lines[0].rstrip("\r") != "sentence1\tsentence2\tscore":
         raise ValueError(f"{path}:1: the header must be 'sentence1<TAB>sentence2<TAB>score', got {lines[0][:60] if lines else ''!r}")
@@ -256,11 +269,17 @@ def _embed(encode, name, unique, chunk, progress):
 
 def pair_spearman(a, # [N, D] the first sentence of each pair
                   b, # [N, D] the second
-                  gold # [N] gold similarity scores
+                  gold, # [N] gold similarity scores
+                  where: str = "this task" # what is scored (model, task file), for the refusal
                  ) -> float:
     "The harness's score of one STS task: Spearman of the pairs' cosine similarity against the gold scores (the one scoring rule)."
     a, b = (F.normalize(x if torch.is_tensor(x) else torch.as_tensor(np.asarray(x)), dim=-1) for x in (a, b))   # dtype kept
-    return spearman((a * b).sum(-1).numpy(), gold)
+    sims, gold = (a * b).sum(-1).numpy(), np.asarray(gold, dtype=np.float64)
+    for what, x, fix in (("gold score", gold, "the task's data is damaged or is not an STS task"),
+                         ("cosine similarity", sims, "the encoder is collapsed (one vector for every text): check the model")):
+        if len(x) and (x == x[0]).all():   # a constant side ranks nothing: Spearman is undefined, never a score of NaN
+            raise ValueError(f"{where}: every pair has the {what} {float(x[0]):.6g}, so Spearman is undefined (NaN): {fix}")
+    return spearman(sims, gold)
 
 def _score(name, emb, data, geo, unique, seconds, seed, extra):
     "Spearman per task, the mean, and the geometry on STS-B sentences: one results dict."
@@ -269,8 +288,8 @@ def _score(name, emb, data, geo, unique, seconds, seed, extra):
         bad = [unique[i] for i in (~torch.isfinite(emb)).any(1).nonzero().flatten()[:3].tolist()]
         raise ValueError(f"{name} produced NaN/inf embeddings, e.g. for {bad!r}")
     index = {s: i for i, s in enumerate(unique)}
-    scores = {t: pair_spearman(emb[[index[s] for s in d.sentence1]], emb[[index[s] for s in d.sentence2]], d.scores)   # normalized once, inside
-              for t, d in data.items()}
+    scores = {t: pair_spearman(emb[[index[s] for s in d.sentence1]], emb[[index[s] for s in d.sentence2]], d.scores,   # normalized once, inside
+                               where=f"{name} on {t} ({d.origin})") for t, d in data.items()}
     emb = F.normalize(emb, dim=-1)
     geo_name, geo_sents = geo
     g = emb[[index[s] for s in geo_sents]]
@@ -308,16 +327,121 @@ def evaluate_views(group: TeacherGroup, # teacher views sharing one forward pass
     n = sum(p.numel() for p in group.model.parameters())
     return [_score(k, v, data, geo, unique, seconds, None, {"params": n, "view_of": group.source}) for k, v in embs.items()]
 
-def save_results(results: dict, path: str | Path) -> Path:
-    "Write a results dict as JSON, atomically."
-    return atomic_write_json(path, results)
+def save_results(results: dict, path: str | Path,
+                 mteb: bool | None = None, # also write mteb's per-task result files beside it (mteb_folder): None = when mteb is installed, True = required
+                 revision: str = "local" # the model revision those files name
+                ) -> Path:
+    "Write a results dict as JSON, atomically, and beside it mteb's result files of its test scores (a stale folder there is removed); the JSON's path."
+    path = atomic_write_json(path, results)
+    if mteb is not False:
+        try: import mteb as _mteb
+        except ImportError:
+            if mteb: raise ImportError("save_results(mteb=True) needs mteb: pip install 'captionbert[doors]'") from None
+            print(f"mteb is not installed: no mteb result files beside {path} (pip install 'captionbert[doors]')")
+            mteb = False
+    if mteb is not False and reported_tasks(results): write_mteb_results(results, mteb_folder(path), revision)
+    elif mteb_folder(path).exists(): shutil.rmtree(mteb_folder(path))   # never an older run's scores beside these results
+    return path
 
 def load_results(path: str | Path) -> dict:
-    "Read a results JSON written by save_results."
-    r = json.loads(Path(path).read_text())
+    "Read a results JSON written by save_results; refuse one whose scores are not numbers, naming the file and the tasks."
+    try: r = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e: raise ValueError(f"{path} is not a harness results file: {e}") from None
     missing = {"model", "scores", "mean"} - set(r)
     if missing: raise ValueError(f"{path} is not a harness results file: it lacks {sorted(missing)}")
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and bool(np.isfinite(v))
+    bad = {t: v for t, v in r["scores"].items() if not number(v)} | ({"mean": r["mean"]} if r["mean"] is not None and not number(r["mean"]) else {})
+    if bad: raise ValueError(f"{path}: the scores {bad} are not numbers (an undefined Spearman, from a constant-score task file or a collapsed "
+                             "model, which harnesses before this check wrote as 'nan'): rescore the model, or leave the file out of --compare")
     return r
+
+# %% ../nbs/02_benchmark.ipynb #73ce8097
+HARNESS_SOURCE = {"source_name": "captionbert harness", "source_url": "https://github.com/captionbert/captionbert"}   # who computed a model-index row
+STS_HUB_TASK = "sentence-similarity"   # the hub's task type of an STS task (what mteb's TaskMetadata gives for type STS)
+
+def reported_tasks(results: dict) -> list:
+    "The test tasks a results dict scored, in declared order: what model cards and mteb's files report (the dev split selects, it is not reported)."
+    return [t for t in TASK_NAMES if t in (results.get("scores") or {})]
+
+def data_revision(results: dict, # harness results
+                  task: str # one of its tasks
+                 ) -> str:
+    "The data a task's score was computed on: the pinned hub revision when the harness read it from the hub, else `sha256:<content>` of the local copy."
+    t, origin, sha = STS_TASKS[task], (results.get("data_origin") or {}).get(task), (results.get("data") or {}).get(task)
+    if origin is None or sha is None:
+        raise ValueError(f"{results.get('model')}: the results record no data origin and hash for {task} (written by another tool, or edited): "
+                         "rescore the model with captionbert.benchmark.evaluate")
+    return t.revision if origin == f"{t.hub_path}@{t.revision}" else f"sha256:{sha}"
+
+def hub_eval_results(results: dict # harness results (evaluate's dict, or load_results of its file)
+                    ) -> list:
+    "The test scores as the hub's model-index rows (huggingface_hub EvalResult), laid out as mteb lays out its own; values exactly as scored."
+    from huggingface_hub import EvalResult
+    rows = []
+    for name in reported_tasks(results):
+        t = STS_TASKS[name]
+        rows.append(EvalResult(task_type=STS_HUB_TASK, task_name="STS", dataset_type=t.hub_path, dataset_name=f"{t.mteb_name} (default)",
+                               dataset_config="default", dataset_split=t.split, dataset_revision=data_revision(results, name),
+                               metric_type=t.main_score, metric_name=t.main_score, metric_value=float(results["scores"][name]), **HARNESS_SOURCE))
+    return rows
+
+def mteb_model_name(model: str # a model's name in harness results
+                   ) -> str:
+    "The name mteb gives the model: 'organization/model' as it is, else under 'captionbert/'."
+    return model if "/" in model else f"captionbert/{model}"
+
+def mteb_model_meta(name: str, # 'organization/model'
+                    revision: str = "local", # the model's revision
+                    **fields # more ModelMeta fields: embed_dim, n_parameters, max_tokens, ...
+                   ):
+    "mteb's ModelMeta of a model the harness scores (needs mteb): cosine similarity, PyTorch, English text, open weights."
+    from mteb.models.model_meta import ModelMeta, ScoringFunction
+    if "/" not in name: raise ValueError(f"mteb names a model 'organization/model', got {name!r}")
+    return ModelMeta.create_empty({"name": name, "revision": revision, "similarity_fn_name": ScoringFunction.COSINE, "framework": ["PyTorch"],
+                                   "modalities": ["text"], "languages": ["eng-Latn"], "open_weights": True, **fields})
+
+def mteb_task_results(results: dict # harness results
+                     ) -> list:
+    "mteb's TaskResult of each test task scored, the task from mteb's own registry (needs mteb); refused if a declaration drifts from mteb's."
+    import mteb
+    from mteb.results import TaskResult
+    out = []
+    for name in reported_tasks(results):
+        t, score = STS_TASKS[name], float(results["scores"][name])
+        meta = mteb.get_task(t.mteb_name).metadata
+        if meta.dataset != {"path": t.hub_path, "revision": t.revision} or t.split not in meta.eval_splits or meta.main_score != t.main_score:
+            raise ValueError(f"the harness's {name} ({t.hub_path}@{t.revision}, {t.split}, {t.main_score}) is not mteb {mteb.__version__}'s "
+                             f"{t.mteb_name} ({meta.dataset}, {meta.eval_splits}, {meta.main_score}): fix STS_TASKS before writing mteb's files")
+        r = TaskResult.from_task_results(mteb.get_task(t.mteb_name), {t.split: {"default": {t.main_score: score, "main_score": score}}}, evaluation_time=None)
+        out.append(r.model_copy(update={"dataset_revision": data_revision(results, name)}))
+    return out
+
+def mteb_folder(path: str | Path # a results JSON
+               ) -> Path:
+    "Where save_results puts mteb's files for the results JSON at `path`: `<stem>.mteb/` beside it, a folder mteb.ResultCache reads."
+    path = Path(path)
+    return path.with_name(f"{path.stem}.mteb")
+
+def write_mteb_results(results: dict, # harness results
+                       folder: str | Path, # the folder to write (replaced whole)
+                       revision: str = "local" # the model revision the files name
+                      ) -> Path:
+    "Write mteb's per-task files of a results dict with mteb's own ResultCache, in a folder built beside `folder` and swapped in; `folder`."
+    from mteb.cache import ResultCache
+    folder = Path(folder)
+    tasks = mteb_task_results(results)          # made (and checked) before anything is written
+    meta = mteb_model_meta(mteb_model_name(results["model"]), revision, n_parameters=results.get("params"))
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    stage, old = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.")), None
+    try:
+        cache = ResultCache(stage)
+        for r in tasks: cache.save_to_cache(r, meta)
+        if folder.exists(): old = folder.with_name(f".{folder.name}.old-{os.getpid()}"); os.replace(folder, old)
+        os.replace(stage, folder)
+    finally:
+        for p in (stage, old):
+            if p is not None and p.exists(): shutil.rmtree(p)
+    return folder
 
 # %% ../nbs/02_benchmark.ipynb #0badd29c
 def published_results(models: Sequence[str] | None = None # names in data/published_sts.json; None = all
@@ -359,7 +483,9 @@ def results_figure(results: Sequence[dict], title: str = "STS, Spearman of cosin
     return fig
 
 # %% ../nbs/02_benchmark.ipynb #8556e173
-def main(argv: Sequence[str] | None = None):
+def main(argv: Sequence[str] | None = None,
+         retrieval: Optional[Callable] = None # encoder -> {"retrieval": ..., "retrieval_dev": ...}: 02a's scorer, which the command passes
+        ):
     "Command-line entry point of the harness."
     ap = argparse.ArgumentParser(prog="python -m captionbert.benchmark", description="Score an encoder on the eight STS tasks.")
     ap.add_argument("--model", required=True, help="'minilm' (bundled all-MiniLM-L6-v2), "
@@ -367,7 +493,7 @@ def main(argv: Sequence[str] | None = None):
     ap.add_argument("--tasks", nargs="+", default=list(TASK_NAMES), choices=list(TASK_NAMES + DEV_TASKS), metavar="TASK",
                     help=f"default: all of {' '.join(TASK_NAMES)}; {' '.join(DEV_TASKS)} is the dev split (outside the mean)")
     ap.add_argument("--sts-dir", default=None, help=f"folder of <task>.tsv files (default: ${STS_DIR_VAR}, else the hub)")
-    ap.add_argument("--out", default=None, help="write the results JSON here")
+    ap.add_argument("--out", default=None, help="write the results JSON here (and beside it, in <stem>.mteb/, mteb's result files)")
     ap.add_argument("--compare", nargs="*", default=[], help="earlier results JSON files to show as extra rows")
     ap.add_argument("--published", action="store_true", help="also show the program's published rows")
     ap.add_argument("--max-length", type=int, default=None, help="truncation in the model's tokens (default 512; 256 for minilm, 128 for paraphrase-minilm-l3)")
@@ -376,20 +502,22 @@ def main(argv: Sequence[str] | None = None):
     ap.add_argument("--retrieval", action="store_true", help="also score Flickr8k caption-to-caption retrieval on the test images (and the dev images beside them) "
                     "(02a_retrieval; outside the STS mean; needs CAPTIONBERT_FLICKR_IMAGES or the development copy)")
     a = ap.parse_args(argv)
+    if a.retrieval and retrieval is None:   # retrieval (02a) builds on this module, so the library never imports it: the command hands it over
+        ap.error("--retrieval: this call was given no retrieval scorer; run `python -m captionbert.benchmark`, or pass main(retrieval=captionbert.retrieval.harness_retrieval)")
+    if a.out: check_writable(a.out, "--out")                 # before any scoring: an unwritable path would lose the work
+    compared = [load_results(p) for p in a.compare]          # ... and every earlier results file read (and checked) first
     kw = {"batch_size": a.batch_size, "device": a.device}
     if a.max_length: kw["max_length"] = a.max_length
     enc = load_encoder(a.model, **kw)
     res = evaluate(enc, a.tasks, sts_dir=a.sts_dir, extra={"params": getattr(enc, "n_params", None)})
-    if a.retrieval:
-        from captionbert.retrieval import evaluate_retrieval, retrieval_table   # retrieval builds on this module
-        res["retrieval"] = evaluate_retrieval(enc, split="test", progress=False)          # reported
-        res["retrieval_dev"] = evaluate_retrieval(enc, split="dev", progress=False)      # the selection split, printed beside it
-        print(retrieval_table([res["retrieval"], res["retrieval_dev"]]))
-    if a.out: print(f"results written to {save_results(res, a.out)}")
-    rows = [res] + [load_results(p) for p in a.compare] + (published_results() if a.published else [])
+    if a.retrieval: res.update(retrieval(enc))                # reported on test, with the dev split (the selection split) beside it
+    if a.out: print(f"results written to {save_results(res, a.out)}" + (f", mteb's files to {mteb_folder(a.out)}" if mteb_folder(a.out).exists() else ""))
+    rows = [res] + compared + (published_results() if a.published else [])
     print(results_table(rows))
     t = res["timing"]
     print(f"\n{t['unique_sentences']} unique sentences embedded in {t['embed_seconds']:.1f}s ({t['sentences_per_s']:.0f}/s); code {res['code_version']}")
     return res
 
-if __name__ == "__main__" and "__file__" in globals(): main()
+if __name__ == "__main__" and "__file__" in globals():
+    from captionbert.retrieval import harness_retrieval   # the command sits above the library: 02a_retrieval builds on this module
+    main(retrieval=harness_retrieval)

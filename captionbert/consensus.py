@@ -6,7 +6,7 @@ member's frame — written as sharded safetensors that carry the frame they live
 # %% ../nbs/04_consensus.ipynb #2e3f43d3
 from __future__ import annotations
 
-import dataclasses, json, time
+import dataclasses, glob, json, os, re, secrets, shutil, tempfile, time
 from pathlib import Path
 
 import numpy as np
@@ -18,25 +18,37 @@ from tqdm.auto import tqdm
 
 from . import alignment as _alignment
 from .alignment import AlignmentConfig, AlignmentMap, RowEmbeddings, fit_roster, frame_fingerprint, split_rows
-from .core import (GuardError, atomic_path, atomic_write_json, folder_lock, pick_device, pick_precision, sha256_bytes,
-                              sha256_file, stage_hash, to_jsonable)
-from .data import TokenStore, load_tokenizer, stratified_sample, token_store, tokenize
+from .core import (GuardError, atomic_path, atomic_write_json, current_umask, folder_lock, pick_device, pick_precision, remove_temporaries,
+                              sha256_bytes, sha256_file, stage_hash, stale_temporaries, to_jsonable)
+from .data import CAPTIONS_VAR, TokenStore, load_tokenizer, stratified_sample, token_store, tokenize
 from .gauges import effective_rank
-from .teachers import EmbeddingStore, TeacherGroup, embed_cache_key, embed_cached, reference_member, roster, safetensors_memmap
+from .teachers import (EmbeddingStore, TeacherGroup, TeacherSpec, check_teachers, embed_cache_key, embed_cached, reference_member, roster,
+                                  safetensors_memmap)
 from .teachers import roster as teacher_roster   # the name the functions below use: a Run section's `roster` is a parameter
 
 # %% auto #0
-__all__ = ['EXPECTED_ROWS', 'consensus', 'write_targets', 'TargetRows', 'ConsensusTargets', 'load_targets', 'target_geometry',
-           'geometry_rows', 'ShiftReport', 'distribution_shift', 'repair_gate', 'embeddings_fingerprint',
-           'stage_version', 'consensus_key', 'check_store', 'check_corpus_rows', 'build_consensus', 'main']
+__all__ = ['PUBLISHED_CHUNKS', 'EXPECTED_ROWS', 'MIN_FIT_ROWS', 'consensus', 'write_targets', 'build_of', 'DamagedTargets',
+           'TargetRows', 'ConsensusTargets', 'load_targets', 'target_geometry', 'geometry_rows', 'ShiftReport',
+           'distribution_shift', 'repair_gate', 'source_manifest_path', 'source_manifest', 'chunk_layout',
+           'inspect_source', 'corpus_plan', 'embeddings_fingerprint', 'stage_version', 'consensus_key', 'check_store',
+           'check_corpus_rows', 'check_caption_rows', 'consensus_id', 'builds_of', 'find_targets', 'build_consensus',
+           'main']
 
 # %% ../nbs/04_consensus.ipynb #f17d40cb
-def consensus(aligned: dict # teacher -> [N, D] vectors in the reference frame
+def consensus(aligned: dict, # teacher -> [N, D] vectors in the reference frame
+              rows=None # the N rows' corpus row ids, named in errors; None: their positions 0..N-1
              ) -> torch.Tensor:
-    "The L2-normalized centroid of the aligned teacher vectors, [N, D]."
+    "The L2-normalized centroid of the aligned teacher vectors, [N, D]; ValueError naming the teacher and rows of a NaN/inf vector, or the rows whose centroid is zero."
     x = torch.stack(list(aligned.values()))                                   # [K, N, D]
-    if not torch.isfinite(x).all(): raise ValueError("aligned teacher vectors contain NaN or inf")
-    return F.normalize(x.mean(0), dim=-1)
+    ids = torch.arange(x.shape[1]) if rows is None else torch.as_tensor(np.asarray(rows)).reshape(-1)
+    label = "corpus row ids" if rows is not None else "positions (no row ids given)"
+    for t, v in aligned.items(): _alignment._check_finite(v, ids, t, "rows of the consensus", label)
+    c = x.mean(0)                                                            # [N, D]
+    zero = c.norm(dim=-1) <= 1e-6 * x.norm(dim=-1).mean(0)                   # no direction to normalize (all teachers zero, or cancelling)
+    if zero.any():
+        raise ValueError(f"the consensus of {_alignment._some_rows(ids[zero], label=label)} is the zero vector (teachers {list(aligned)} cancel or are all zero "
+                         "there): it has no direction, and a normalized zero is a zero target. Check those rows' teacher vectors")
+    return F.normalize(c, dim=-1)
 
 def write_targets(store: EmbeddingStore, # teacher embeddings of the corpus
                   maps: dict, # teacher -> AlignmentMap, one frame (see fit_roster)
@@ -58,11 +70,11 @@ def write_targets(store: EmbeddingStore, # teacher embeddings of the corpus
                 if rows is not None and not torch.equal(r, rows): raise GuardError(f"shard {k}: teachers disagree on row ids")
                 aligned[t], rows = maps[t].apply(e), r
             p = folder / "targets" / f"shard-{k}.safetensors"; p.parent.mkdir(parents=True, exist_ok=True)
-            with atomic_path(p) as tmp: save_file({"targets": consensus(aligned).contiguous(), "row_ids": rows}, str(tmp))
+            with atomic_path(p) as tmp: save_file({"targets": consensus(aligned, rows).contiguous(), "row_ids": rows}, str(tmp))
             shards[k] = {"rows": [int(rows.min()), int(rows.max()) + 1], "n": len(rows), "sha256": sha256_file(p)}
         ref = next(iter(maps.values())).reference
         manifest = {"frame": frame_fingerprint(maps), "reference": ref, "maps": {t: m.fingerprint for t, m in maps.items()},
-                    "teachers": store.manifest["teachers"], "source": store.manifest["source"],
+                    "teachers": store.manifest["teachers"], "weights": store.manifest.get("weights"), "source": store.manifest["source"],
                     "source_fingerprint": store.manifest["source_fingerprint"], "dim": next(iter(maps.values())).d_reference,
                     "fit_rows": len(next(iter(maps.values())).fit_rows), "n_rows": sum(s["n"] for s in shards.values()),
                     "shards": shards, **to_jsonable(extra or {})}
@@ -70,6 +82,22 @@ def write_targets(store: EmbeddingStore, # teacher embeddings of the corpus
     return folder
 
 # %% ../nbs/04_consensus.ipynb #802940b2
+def build_of(folder: str | Path # a targets folder: a build, or an alias (a symlink to a build beside it; see build_consensus)
+            ) -> Path:
+    "The build a targets folder names now: an alias's target (beside it), any other folder itself."
+    folder = Path(folder)
+    return folder.parent / os.readlink(folder) if folder.is_symlink() else folder
+
+class DamagedTargets(GuardError):
+    "A build whose files are not what its targets.json records (a shard missing, cut or changed; targets.json unreadable): damage, which build_consensus sets aside and builds again."
+
+def _read_manifest(folder: Path # a build
+                  ) -> dict:
+    "A build's targets.json; DamagedTargets when it cannot be read (a build's files are written whole, so an unreadable one is damage)."
+    mpath = folder / "targets.json"
+    try: return json.loads(mpath.read_bytes())
+    except ValueError as e: raise DamagedTargets(f"{mpath} is not readable JSON ({e}); rebuild the targets") from None
+
 def _targets_fingerprint(manifest: dict) -> str:
     "One hash of a targets folder's vectors: their frame and every shard's sha256."
     return sha256_bytes(json.dumps([manifest["frame"], {k: s["sha256"] for k, s in sorted(manifest["shards"].items())}]).encode())
@@ -82,18 +110,18 @@ class TargetRows:
         self.folder, spans = Path(folder), []
         for k, s in manifest["shards"].items():
             p = self.folder / "targets" / f"shard-{k}.safetensors"
-            if not p.exists(): raise GuardError(f"{p} (rows {s['rows'][0]}..{s['rows'][1]}) is missing; rebuild the targets")
+            if not p.exists(): raise DamagedTargets(f"{p} (rows {s['rows'][0]}..{s['rows'][1]}) is missing; rebuild the targets")
             vec, ids = safetensors_memmap(p, "targets"), safetensors_memmap(p, "row_ids")
             lo, hi = s["rows"]
             if not (len(vec) == len(ids) == s["n"] == hi - lo and (len(ids) == 0 or (ids[0] == lo and ids[-1] == hi - 1 and
                                                                                      bool((np.diff(ids) == 1).all())))):
-                raise GuardError(f"{p}: targets.json says rows {lo}..{hi} ({s['n']} rows) but the shard holds {len(vec)} vectors with "
+                raise DamagedTargets(f"{p}: targets.json says rows {lo}..{hi} ({s['n']} rows) but the shard holds {len(vec)} vectors with "
                                  f"{len(ids)} row ids ({int(ids[0]) if len(ids) else None}..{int(ids[-1]) if len(ids) else None}): "
                                  "the reader needs each shard to hold one contiguous range of rows; rebuild the targets")
             spans.append((lo, hi, vec))
         spans.sort(key=lambda x: x[0])
         for (_, h0, _), (l1, _, _) in zip(spans, spans[1:]):
-            if l1 < h0: raise GuardError(f"{self.folder}: two shards both hold rows {l1}..{h0}; rebuild the targets")
+            if l1 < h0: raise DamagedTargets(f"{self.folder}: two shards both hold rows {l1}..{h0}; rebuild the targets")
         self._lo = np.array([s[0] for s in spans], dtype=np.int64); self._hi = np.array([s[1] for s in spans], dtype=np.int64)
         self._vec = [s[2] for s in spans]
         self.dim = int(manifest["dim"]) if "dim" in manifest else int(self._vec[0].shape[1])
@@ -160,19 +188,23 @@ def load_targets(folder: str | Path, # a folder written by write_targets
                  expect_frame: str | None = None, # the frame fingerprint the run declares; None accepts any
                  verify: bool = True # check every shard's sha256 (reads every shard once)
                 ) -> ConsensusTargets:
-    "Open consensus targets (memory-mapped); GuardError if they live in another frame than the one expected, or a shard is damaged."
-    folder = Path(folder); mpath = folder / "targets.json"
+    "Open consensus targets (memory-mapped; an alias is read through the build it names now); GuardError if they live in another frame than the one expected, a teacher at its recorded source is no longer the one that made them, or a shard is damaged."
+    folder = build_of(folder); mpath = folder / "targets.json"     # a build is never changed: read whole, whatever the alias names next
     if not mpath.exists(): raise FileNotFoundError(f"{mpath} does not exist: build targets with 04_consensus (build_consensus) first")
-    man = json.loads(mpath.read_text())
+    man = _read_manifest(folder)
     if expect_frame is not None and man["frame"] != expect_frame:
         raise GuardError(f"the targets in {folder} live in frame {man['frame'][:12]}, but this run declares frame {expect_frame[:12]}: "
                          "targets from refit maps land in another frame with no signal in the loss (LAWS.md law 17). "
                          "Use the targets (or the maps) of the declared frame.")
+    if man.get("weights") is not None:      # each teacher found at its recorded source must still be the one that made them
+        here = [s for s in (TeacherSpec(**t) for t in man["teachers"]) if Path(s.source).exists()]
+        check_teachers(man["weights"], here, f"the targets folder {folder}", "Rebuild them on the current teachers (build_consensus, "
+                       "targets='build'), or restore the teachers they were built with")
     for k in sorted(man["shards"]):
         p = folder / "targets" / f"shard-{k}.safetensors"
         if verify and (not p.exists() or sha256_file(p) != man["shards"][k]["sha256"]):
             lo, hi = man["shards"][k]["rows"]
-            raise GuardError(f"{p} (rows {lo}..{hi}) is missing or does not match its sha256 in targets.json; rebuild the targets")
+            raise DamagedTargets(f"{p} (rows {lo}..{hi}) is missing or does not match its sha256 in targets.json; rebuild the targets")
     return ConsensusTargets(folder, TargetRows(folder, man), man)
 
 # %% ../nbs/04_consensus.ipynb #b2fd9a7c
@@ -253,6 +285,139 @@ def repair_gate(store: EmbeddingStore, # the store holding the shard
                              f"< {1 - tol} over {len(pick)} re-embedded rows. Do not trust this shard; re-embed it.")
     return out
 
+# %% ../nbs/04_consensus.ipynb #afadc3fe
+PUBLISHED_CHUNKS = 66          # the program's corpus came in 66 chunks: v2 read 54 of them, v2-B all 66 (the chunks' sizes are not published)
+EXPECTED_ROWS = {AlignmentConfig.published().captions: 31_905_616}   # corpus spec -> the rows it is declared to hold (v2-B's corpus; see alignment.PUBLISHED_CAPTIONS)
+
+def source_manifest_path(spec: str # a caption spec as typed (see data.open_captions)
+                        ) -> Path:
+    "Where `inspect` keeps what it counted for `spec`, and where the plan and the row check look: cache_dir('sources')/<spec as a name>-<12 hex>.json."
+    from captionbert.data import cache_dir
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in spec)[-80:]
+    return cache_dir("sources") / f"{safe}-{sha256_bytes(spec.encode())[:12]}.json"
+
+def _whole(source): return source.whole() if hasattr(source, "whole") else source   # the source without its limit, where it has one
+
+def source_manifest(source, # a caption source (opened from `spec`)
+                    spec: str # the spec it was opened from
+                   ) -> dict | None:
+    "The manifest `inspect` wrote for `spec`, when it counted this very content (the fingerprint of the whole source); else None."
+    p = source_manifest_path(spec)
+    if not p.exists(): return None
+    man = json.loads(p.read_text())
+    return man if man.get("fingerprint") == _whole(source).fingerprint else None
+
+def chunk_layout(n_rows: int, # rows of the flattened corpus
+                 n_chunks: int | None = None, # this many near-equal chunks (chunk i holds rows i*n//k .. (i+1)*n//k - 1) ...
+                 chunk_size: int | None = None, # ... or chunks of this many rows (the last one shorter)
+                 columns: dict | None = None # column -> {"ids": [lo, hi]} (count_columns): which columns each chunk holds
+                ) -> list[dict]:
+    "The rows [lo, hi) of each chunk, and how many of them each column gives."
+    if (n_chunks is None) == (chunk_size is None): raise ValueError("give one of n_chunks and chunk_size")
+    if n_rows <= 0 or (n_chunks or chunk_size) <= 0: raise ValueError(f"a layout needs rows and a positive chunk count or size, got {n_rows}, {n_chunks or chunk_size}")
+    bounds = ([i * n_rows // n_chunks for i in range(n_chunks + 1)] if n_chunks else [*range(0, n_rows, chunk_size), n_rows])
+    spans = [(c, v["ids"]) for c, v in (columns or {}).items()]
+    return [{"chunk": i, "rows": [lo, hi], "columns": {c: min(hi, b) - max(lo, a) for c, (a, b) in spans if min(hi, b) > max(lo, a)}}
+            for i, (lo, hi) in enumerate(zip(bounds, bounds[1:]))]
+
+def _identity(d: dict) -> str:
+    "What a describe() record says the content is: the columns and the commit, or the file and its sha256."
+    cols = d.get("columns") or ([d["column"]] if d.get("column") else [])
+    what = f"column{'s' if len(cols) > 1 else ''} {'+'.join(cols)} of " if cols else ""
+    if d.get("kind") == "hub": return f"{what}{d['hub_name']} at commit {d['commit'][:12]} (revision {d.get('revision') or 'default branch'})"
+    if d.get("sha256"): return f"{what}{Path(d['path']).name} (sha256 {d['sha256'][:12]})"
+    return f"{what}{d.get('spec') or d.get('kind')}"
+
+def inspect_source(spec: str, # a caption spec (data.open_captions): hub or local
+                   chunk_size: int | None = None, # chunk rows when the count is not the published one; None: the published preset's shard size
+                   out: str | Path | None = None, # where to write the manifest; None: source_manifest_path(spec), where the plan and row check look
+                   resolver=None, loader=None, # hub specs only (see data.HubCaptions): stand-ins for the hub in tests
+                   echo=print # where the report goes
+                  ) -> dict:
+    "Count a caption source in one pass: each column's rows and non-empty cells, the flattened rows, their chunk layout and the resolved revision (or sha256); print them and write the manifest (atomically)."
+    from captionbert.data import open_captions
+    whole = _whole(open_captions(spec, resolver=resolver, loader=loader))
+    counted = whole.count() if hasattr(whole, "count") else {"columns": {}, "rows": len(whole), "id_scheme": "file order"}
+    n, declared, d = counted["rows"], EXPECTED_ROWS.get(spec), whole.describe()
+    published = AlignmentConfig.published().limit
+    if n == published: layout, rule = chunk_layout(n, n_chunks=PUBLISHED_CHUNKS, columns=counted["columns"]), (
+        f"near-equal chunks: the published count, laid out as the program's {PUBLISHED_CHUNKS} chunks would be if equal (their sizes are not published)")
+    else:
+        size = chunk_size or AlignmentConfig.published().shard_size
+        layout, rule = chunk_layout(n, chunk_size=size, columns=counted["columns"]), (
+            f"chunks of {size:,} rows ({'--chunk-size' if chunk_size else 'the published preset shard size'}): the count is not the published {published:,}")
+    man = {"spec": spec, "source": d, "fingerprint": whole.fingerprint, "identity": _identity(d), "columns": counted["columns"], "rows": n,
+           "id_scheme": counted["id_scheme"], "declared_rows": declared, "published_rows": published, "chunks": {"rule": rule, "layout": layout},
+           "counted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    path = Path(out) if out else source_manifest_path(spec)
+    atomic_write_json(path, man)
+    echo(f"source     {spec}")
+    echo(f"content    {man['identity']}" + (f"; pinned spec {d['spec']}" if d.get("kind") == "hub" else ""))
+    if counted["columns"]:
+        echo(f"columns    (row ids {counted['id_scheme']}: each column's non-empty cells in table order, one column after another)")
+        w = max(len(c) for c in counted["columns"])
+        for c, v in counted["columns"].items():
+            echo(f"  {c:<{w}}  rows {v['rows']:>12,}  non-empty {v['non_empty']:>12,}  empty {v['empty']:>10,}  "
+                 + (f"ids {v['ids'][0]:,}..{v['ids'][1] - 1:,}" if v["non_empty"] else "no ids"))
+    echo(f"flattened  {n:,} rows")
+    echo(f"declared   {declared:,} rows for this spec (consensus.EXPECTED_ROWS): " + ("the count matches" if n == declared else
+         f"the count differs by {n - declared:+,}; the row check refuses it unless a run passes --accept-rows {n}")
+         if declared is not None else f"declared   no count for this spec (the published spec declares {published:,})")
+    echo(f"chunks     {len(layout)} {rule}")
+    shown = {0, 1, len(layout) - 1} | {next(k for k, ch in enumerate(layout) if ch["rows"][1] > v["ids"][0])
+                                       for v in counted["columns"].values() if v["non_empty"]}   # the chunks where a column begins
+    for k, ch in enumerate(layout):
+        if len(layout) <= 80 or k in shown:
+            echo(f"  chunk {k:>{len(str(len(layout)))}}  rows {ch['rows'][0]:,}..{ch['rows'][1] - 1:,} ({ch['rows'][1] - ch['rows'][0]:,})  "
+                 + ", ".join(f"{c} {m:,}" for c, m in ch["columns"].items()))
+        elif k - 1 in shown: echo("  ...")
+    echo(f"manifest   {path}")
+    return man
+
+def _row_problem(spec: str, # the captions' spec
+                 counted: int | None, # rows counted (None: not counted)
+                 whole: bool, # the count is the source's own (False: read only up to `limit`, so it may hold more)
+                 cfg: AlignmentConfig, # the preset: its declared length, accepted count, name
+                 what: str # what was counted, in words
+                ) -> str | None:
+    "Why these rows fail the row check (both numbers, what was counted, what to do), or None when they pass: one rule for the check and the plan."
+    declared = EXPECTED_ROWS.get(cfg.captions)
+    want = cfg.accept_rows if cfg.accept_rows is not None else declared
+    if want is None or (counted == want and whole): return None
+    said = (f"--accept-rows accepts {want:,}" if cfg.accept_rows is not None else
+            f"is declared to hold {want:,} (consensus.EXPECTED_ROWS, preset {cfg.name!r}{f', limit {cfg.limit:,}' if cfg.limit else ''})")
+    inspect = f"python -m captionbert.consensus inspect --source {spec}"
+    if counted is None:
+        return f"the caption source {spec!r} has not been counted, and {said}: count it with `{inspect}` (one pass where the hub is)"
+    if not whole:
+        return (f"the caption source {spec!r} holds at least {counted:,} rows but {said}: it was read only up to the preset's limit "
+                f"{cfg.limit:,}, so it may hold more, and its own count is not known. Counted: {what}. Count it with `{inspect}` "
+                "(one pass; the row check then uses that count)")
+    return (f"the caption source {spec!r} holds {counted:,} rows but {said}. Counted: {what}. To build on these {counted:,} rows, pass "
+            f"--accept-rows {counted} (python -m captionbert.train, or consensus tokens; the run records it in its config); else name "
+            "a source that holds the declared rows (the program's corpus: AbstractPhil/conceptual-captions-12m-webdataset-berts; what is "
+            "known of its captions: alignment.PUBLISHED_CAPTIONS)")
+
+def corpus_plan(cfg: AlignmentConfig # the preset (its captions, declared length and accepted count)
+               ) -> dict:
+    "What a plan can say of the captions' rows without the network: counted (`inspect`'s manifest, or a local source read here) or declared, and the row check's verdict."
+    spec = cfg.captions
+    man, counted, whole, what = None, None, False, "not counted"
+    if spec and source_manifest_path(spec).exists():
+        man = json.loads(source_manifest_path(spec).read_text())
+        counted, whole, what = man["rows"], True, f"{man['identity']}, counted by inspect ({source_manifest_path(spec)}, {man['counted_at']})"
+    elif not (spec or "").startswith("hub:"):                         # a local source: read here
+        src = cfg.caption_source(verbose=False)
+        counted = len(src); whole = cfg.limit is None or counted < cfg.limit; what = f"{src!r}, read here"
+    rows = (min(counted, cfg.limit) if cfg.limit else counted) if counted is not None else cfg.limit
+    want = cfg.accept_rows if cfg.accept_rows is not None else EXPECTED_ROWS.get(spec)
+    problem = _row_problem(spec or "default_captions()", counted, whole, cfg, what)
+    return {"captions": spec or "default_captions()", "rows": rows, "rows_from": what if counted is not None else "declared (the preset's limit), not counted",
+            "counted_rows": counted, "declared_rows": EXPECTED_ROWS.get(spec), "accept_rows": cfg.accept_rows,
+            "columns": {c: v["non_empty"] for c, v in man["columns"].items()} if man else None,
+            "row_check": "no count declared or accepted for these captions: not checked" if want is None else "passes" if problem is None else f"refuses: {problem}",
+            "inspect": f"python -m captionbert.consensus inspect --source {spec}" if spec else None}
+
 # %% ../nbs/04_consensus.ipynb #0430e403
 def embeddings_fingerprint(store: EmbeddingStore # a teacher-embedding store
                           ) -> str:
@@ -264,7 +429,7 @@ def embeddings_fingerprint(store: EmbeddingStore # a teacher-embedding store
 def stage_version() -> str:
     "core.stage_hash of every function that decides the targets (row sampling, the fit, the centroid, the writer) and torch/numpy."
     return stage_hash(tokenize, stratified_sample, split_rows, AlignmentConfig.fit_rows_for, RowEmbeddings.load, RowEmbeddings.take,
-                      _alignment._whiten_colour, _alignment.fit_alignment, _alignment.identity_map, fit_roster,
+                      _alignment._whiten_colour, _alignment._teacher_moments, _alignment.fit_alignment, _alignment.identity_map, fit_roster,
                       AlignmentMap.__post_init__, AlignmentMap.apply, consensus, write_targets, target_geometry, geometry_rows, TokenStore.build, _build_consensus,
                       libs=("torch", "numpy"))
 
@@ -283,7 +448,7 @@ def check_store(store: EmbeddingStore, # a merged store (e.g. written by `torchr
                 source, # the caption source the targets are built for
                 specs # the roster the targets are built on (TeacherSpec)
                ) -> EmbeddingStore:
-    "GuardError unless the store is merged and verified and holds these captions (fingerprint, row count) embedded by these teachers."
+    "GuardError unless the store is merged and verified and holds these captions (fingerprint, row count) embedded by these teachers (settings and weights identity)."
     where = f"the embedding store {store.folder}"
     if not store.complete:
         raise GuardError(f"{where} is not merged and verified (manifest says complete={store.manifest.get('complete')}): "
@@ -294,6 +459,9 @@ def check_store(store: EmbeddingStore, # a merged store (e.g. written by `torchr
                          f"are asked for {getattr(source, 'name', source)!r} (fingerprint {source.fingerprint[:12]}): embed these captions "
                          "(the plan's embed stage names the --source and --limit), or build for the captions the store holds")
     want = [dataclasses.asdict(s) for s in specs]
+    if [t["name"] for t in m["teachers"]] == [t["name"] for t in want]:   # the same roster by name: same weights first, then same settings
+        check_teachers(m.get("weights"), specs, where, "Re-embed with the current teachers (the plan's embed stage), or restore the teachers "
+                       "the store was embedded with")
     if m["teachers"] != want:
         raise GuardError(f"{where} holds the teachers {[t['name'] for t in m['teachers']]} but the targets are asked for "
                          f"{[t['name'] for t in want]}" + ("" if [t['name'] for t in m['teachers']] != [t['name'] for t in want] else
@@ -315,51 +483,175 @@ def _key_changes(old: dict | None, new: dict) -> list[str]:
         elif a != b: out.append(f"{k} {str(a)[:16]} -> {str(b)[:16]}")
     return out
 
-EXPECTED_ROWS = {"hub:CaptionEmporium/conceptual-captions-cc12m-llavanext:caption_llava": 31_905_616}   # corpus spec -> the rows it is declared to hold
-# the published spec (AlignmentConfig.published) is declared at the v2-B corpus's 31,905,616 rows; that hub set is listed at
-# about 11M rows, so this check refuses it until someone with hub access names the 31.9M-row source (the program's corpus is
-# AbstractPhil/conceptual-captions-12m-webdataset-berts, seed 000; its caption column is not known here)
-
-def check_corpus_rows(cfg: AlignmentConfig, # the preset (its captions spec)
-                      n_rows: int # rows the captions' token store holds (one streamed pass: cheap beside the teachers)
-                     ) -> int:
-    "GuardError unless the captions hold the rows EXPECTED_ROWS declares for their spec; run before any teacher time is spent."
-    want = EXPECTED_ROWS.get(cfg.captions)
-    if want is not None and n_rows != want:
-        raise GuardError(f"the caption source {cfg.captions!r} holds {n_rows:,} rows but is declared to hold {want:,} "
-                         f"(consensus.EXPECTED_ROWS, preset {cfg.name!r}{f', limit {cfg.limit:,}' if cfg.limit else ''}); no teacher has "
-                         "run. Name the source that holds the declared rows (the published corpus: "
-                         "AbstractPhil/conceptual-captions-12m-webdataset-berts, seed 000), or correct the declaration")
+def check_corpus_rows(cfg: AlignmentConfig, # the preset (its captions spec, declared length and accepted count)
+                      n_rows: int | None, # rows the captions' token store holds (one streamed pass: cheap beside the teachers); None: before tokenizing, inspect's count alone
+                      source=None # the captions (None: cfg.caption_source()); `inspect`'s count of them is used when it names this content
+                     ) -> int | None:
+    "GuardError unless the captions hold the rows accepted for them (cfg.accept_rows), else those EXPECTED_ROWS declares for their spec (see _row_problem); run before any teacher time is spent."
+    if cfg.accept_rows is None and EXPECTED_ROWS.get(cfg.captions) is None: return n_rows   # nothing declared or accepted: nothing to check
+    source = source if source is not None else cfg.caption_source(verbose=False)
+    spec = cfg.captions or source.describe().get("spec") or source.describe()["path"]
+    man = source_manifest(source, spec)
+    if n_rows is None and man is None: return None                          # not counted yet: the check runs on the token store
+    if n_rows is not None and man is not None and n_rows != min(man["rows"], cfg.limit or man["rows"]):
+        raise GuardError(f"the caption source {spec!r} gave the token store {n_rows:,} rows, but `inspect` counted {man['rows']:,} "
+                         f"({man['identity']}): it changed since it was counted; count it again (python -m captionbert.consensus inspect --source {spec})")
+    what = (f"the non-empty cells of " + ", ".join(f"{c} ({v['non_empty']:,})" for c, v in man["columns"].items())
+            + f" in {man['identity']}, counted by inspect ({source_manifest_path(spec)})" if man and man["columns"] else
+            man["identity"] + ", counted by inspect" if man else f"{_identity(source.describe())}, tokenized here")
+    problem = _row_problem(spec, man["rows"] if man else n_rows, man is not None or cfg.limit is None or n_rows < cfg.limit, cfg, what)
+    if problem: raise GuardError(f"{problem}. No teacher has run")
     return n_rows
 
+MIN_FIT_ROWS = 2    # the fewest rows a map is fit on (fit_alignment refuses fewer); split_rows gives the fit what the held-out rows leave
+
+def check_caption_rows(cfg: AlignmentConfig, # the preset (its held-out rows and fit size)
+                       lengths, # every caption's token length (the token store's: built before any teacher runs)
+                       width: int, # the reference member's width (the d of the fit's N/d)
+                       source=None # the caption source, named in the error (None: the preset's captions spec)
+                      ) -> tuple[int, int]:
+    "(fit rows, held-out rows) the preset draws from these captions (split_rows); GuardError naming the captions and the preset when they hold too few. Run before any teacher."
+    try:
+        fit, held = split_rows(lengths, cfg, width)
+        if len(fit) < MIN_FIT_ROWS: raise ValueError(f"{len(fit)} would be left to fit the maps on")
+    except ValueError as e:
+        n, name = len(lengths), str(getattr(source, "path", None) or cfg.captions or getattr(source, "name", None) or "the default captions")
+        raise GuardError(f"the caption source {name!r} holds {n:,} row{'' if n == 1 else 's'}, too few for the alignment preset {cfg.name!r}: "
+                         f"it holds out {cfg.eval_rows:,} rows (eval_rows) and fits its maps on the rest, up to {cfg.fit_rows_for(width):,} "
+                         f"(N/d {cfg.fit_n_over_d:g} at the reference width {width}) ({e}); no teacher has run. Give it a caption file of "
+                         f"at least {cfg.eval_rows + MIN_FIT_ROWS:,} rows ({cfg.eval_rows + cfg.fit_rows_for(width):,} for the preset's whole "
+                         f"fit sample; {CAPTIONS_VAR}, or the preset's captions), or a preset that holds out fewer") from None
+    return len(fit), len(held)
+
+def consensus_id(key: dict # a consensus_key
+                ) -> str:
+    "12 hex digits naming a consensus_key: the content half of a build's name."
+    return sha256_bytes(json.dumps(to_jsonable(key), sort_keys=True).encode())[:12]
+
+def builds_of(folder: str | Path, # an alias (where build_consensus was asked to put targets)
+              frame: str | None = None, # only the builds of this frame
+              key: dict | None = None # only the builds of this consensus_key
+             ) -> list[Path]:
+    "The builds beside an alias: sibling folders `<its name>-<frame12>-<id12>` that hold a targets.json."
+    folder, out = Path(folder), []
+    if not folder.parent.is_dir(): return out
+    for p in sorted(folder.parent.glob(f"{glob.escape(folder.name)}-*-*")):
+        m = re.fullmatch(re.escape(folder.name) + r"-([0-9a-f]{12})-([0-9a-f]{12})", p.name)
+        if m is None or p.is_symlink() or not (p / "targets.json").exists(): continue
+        if (frame is None or m[1] == frame[:12]) and (key is None or m[2] == consensus_id(key)): out.append(p)
+    return out
+
+def find_targets(folder: str | Path, # the targets folder a run recorded: a build, an alias, or a folder older code built in place
+                 fingerprint: str, # the ConsensusTargets.fingerprint the run recorded
+                 frame: str | None = None # the run's frame (narrows the builds searched)
+                ) -> ConsensusTargets | None:
+    "The targets a run trained on: `folder` if it holds them, else its alias or a build beside it that does; None when none does."
+    folder = Path(folder)
+    m = re.fullmatch(r"(.+)-[0-9a-f]{12}-[0-9a-f]{12}", folder.name)
+    alias = folder.with_name(m[1]) if m else folder
+    for c in dict.fromkeys([folder, alias, *builds_of(alias, frame)]):
+        b = build_of(c)                 # resolved once: the build loaded is the one whose fingerprint matched, wherever the alias points next
+        if not (b / "targets.json").exists(): continue
+        try: man = _read_manifest(b)
+        except DamagedTargets: continue
+        if "shards" in man and _targets_fingerprint(man) == fingerprint: return load_targets(b)
+    return None
+
+_KEEP_IN_PLACE = {".lock", "maps", "targets", "targets.json"}   # what write_targets puts in a folder: an unfinished one holds no more
+
+def _retire(folder: Path # a real folder where an alias goes (the caller holds the alias's lock)
+           ) -> tuple[Path | None, Path | None]:
+    "A real folder where an alias goes (older code built targets in place), moved out of the way: (the build it is kept as, under its content name, or None when it held no targets; a copy of a build kept already, under a temporary name, for the caller to remove once the alias is made, or None)."
+    remove_temporaries(stale_temporaries(folder, recursive=True), folder)
+    if not (folder / "targets.json").exists():
+        other = sorted(set(os.listdir(folder)) - _KEEP_IN_PLACE)
+        if other: raise GuardError(f"{folder} holds {other[:5]}, which are not consensus targets: build_consensus keeps its targets beside "
+                                   "the folder it is given and makes that folder a link to them; pass a folder of its own")
+        shutil.rmtree(folder); return None, None                   # an unfinished build (targets.json is written last): nothing to keep
+    man = _read_manifest(folder)
+    fp = _targets_fingerprint(man)
+    dest = folder.with_name(f"{folder.name}-{man['frame'][:12]}-{consensus_id(man['key']) if 'key' in man else fp[:12]}")
+    if dest.exists() and _targets_fingerprint(json.loads((dest / "targets.json").read_text())) != fp: dest = dest.with_name(f"{dest.name}-{fp[:12]}")
+    gone = None
+    if dest.exists():                                              # the same vectors are kept there already: this copy goes
+        gone = folder.with_name(f".{folder.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"); os.rename(folder, gone)
+    else: os.rename(folder, dest)
+    print(f"{folder} held targets built in place by older code: kept as {dest.name}")
+    return dest, gone
+
+def _point(alias: Path, # where build_consensus was asked to put targets
+           build: Path | None = None # a build beside it; None: only migrate a real folder found at the alias
+          ):
+    "Point the alias at the build in one step (a symlink made under a temporary name, renamed onto it); a real folder at the alias, seen under the alias's lock, is first kept as a build beside it (_retire), and with no `build` the alias names that one at once."
+    with folder_lock(alias.parent / ".locks" / alias.name):
+        gone = None
+        if alias.exists() and not alias.is_symlink():              # looked at under the lock: another builder may have migrated it since a look outside
+            kept, gone = _retire(alias)
+            if build is None: build = kept                         # readers of the alias keep the old targets while a new build runs
+        try:
+            if build is None or (alias.is_symlink() and os.readlink(alias) == build.name): return
+            tmp = alias.with_name(f".{alias.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+            os.symlink(build.name, tmp)                            # relative: an alias and its builds move together
+            try: os.replace(tmp, alias)
+            except BaseException: tmp.unlink(missing_ok=True); raise
+        finally:
+            if gone is not None: shutil.rmtree(gone, ignore_errors=True)   # removed once the alias names the build that holds its vectors
+
 def build_consensus(cfg: AlignmentConfig, # the preset (see AlignmentConfig)
-                    folder: str | Path, # where the targets go
+                    folder: str | Path, # where the targets go: an alias of the build (a link to `<folder>-<frame12>-<id12>` beside it)
                     device=None, progress: bool = True,
                     embeddings: str | Path | None = None, # the folder of a merged store (`torchrun -m captionbert.teachers embed`); None: embed here
                     specs=None # with `embeddings`: the roster the store must hold (TeacherSpec); None: cfg.roster's
                    ) -> ConsensusTargets:
-    "Captions -> teacher embeddings (here, or a merged store checked against these captions and roster) -> alignment maps -> consensus targets; reuses a folder only when its consensus_key matches."
+    "Captions -> teacher embeddings (here, or a merged store checked against these captions and roster) -> alignment maps -> consensus targets, built beside `folder` under a name of their frame and consensus_key, then `folder` pointed at them; a build of the same key is reused."
+    folder = Path(folder)
     source = cfg.caption_source(verbose=progress)
     device = device if isinstance(device, torch.device) else pick_device(device)
     precision = pick_precision(device)                 # what embed_cached will use: the key names the numerics of the embeddings
     given = None if embeddings is None else check_store(EmbeddingStore(embeddings), source,
                                                         teacher_roster(cfg.roster) if specs is None else specs)
     key = consensus_key(cfg, source, device.type, precision, store=given)
-    with folder_lock(folder):              # concurrent builders of one folder take turns; the second finds the work done
-        mpath, rebuilt_from = Path(folder) / "targets.json", None
-        if mpath.exists():
-            old = json.loads(mpath.read_text())
+    kid = consensus_id(key)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with folder_lock(folder.parent / ".locks" / f"{folder.name}-{kid}"):   # builders of one content take turns (the second finds it built); of other content, work side by side
+        remove_temporaries([p for p in stale_temporaries(folder.parent) if p.name.startswith((f".{folder.name}-", f".{folder.name}."))],
+                           folder.parent)                          # what killed builders left beside the alias
+        if folder.exists() and not folder.is_symlink(): _point(folder)   # older code's folder: kept as a build, which the alias names at once
+        for b in builds_of(folder, key=key):
+            try:
+                man = _read_manifest(b)
+                if man.get("key") != key or "geometry" not in man: continue
+                tg = load_targets(b)                               # every shard's sha256 checked: cheap beside an embedding pass
+            except DamagedTargets as e:                            # damage only: a build that is whole is never set aside (a run may record it)
+                print(f"{b} is damaged ({e}): set aside, built again"); os.rename(b, b.with_name(f"{b.name}.damaged-{time.strftime('%Y%m%dT%H%M%S')}")); continue
+            except GuardError as e:
+                raise GuardError(f"{b} holds the targets of this key but cannot be reused ({e}). It is whole, so it is left as it is (a run "
+                                 "may have trained on it) and nothing is built under its name: restore what it was built with, or "
+                                 f"move {b.name} out of {b.parent} by hand and build again") from e
+            _point(folder, b); return tg
+        current, rebuilt_from = build_of(folder), None
+        if (current / "targets.json").exists():
+            old = _read_manifest(current)
             changes = _key_changes(old.get("key"), key) + ([] if "geometry" in old else ["the previous build did not finish"])
-            if not changes: return load_targets(folder)   # every shard's sha256 checked: cheap beside an embedding pass
-            print(f"rebuilding the consensus targets in {folder}: " + "; ".join(changes))
-            rebuilt_from = {"changes": changes, "frame": old.get("frame"), "fingerprint": _targets_fingerprint(old) if "shards" in old else None}
-            mpath.unlink()                 # a half-rebuilt folder must never read as finished
-        if given is None:          # the captions' row count, checked before the teachers run (tokenized once, cached)
-            check_corpus_rows(cfg, len(token_store(source, load_tokenizer(), progress=progress)))
+            print(f"building the consensus targets for {folder} beside {current.name} (kept): " + "; ".join(changes))
+            rebuilt_from = {"changes": changes, "frame": old.get("frame"), "fingerprint": _targets_fingerprint(old) if "shards" in old else None,
+                            "folder": current.name}
+        lengths = token_store(source, load_tokenizer(), progress=progress).lengths   # the captions' rows, checked before the teachers run
+        if given is None: check_corpus_rows(cfg, len(lengths))
+        check_caption_rows(cfg, lengths, given.manifest["dims"][reference_member(given.specs).name] if given else
+                           cfg.REFERENCE_WIDTH[cfg.roster], source)
         t0 = time.time()
         store = given or embed_cached(source, teacher_roster(cfg.roster), batch_size=cfg.batch_size, shard_size=cfg.shard_size,
                                       device=device, precision=precision, progress=progress)
-        return _build_consensus(cfg, folder, source, store, key, rebuilt_from, time.time() - t0, progress)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-{kid}.{os.getpid()}.", suffix=".tmp", dir=folder.parent))
+        try:
+            os.chmod(tmp, 0o777 & ~current_umask())                # a folder's ordinary mode (mkdtemp makes it private)
+            tg = _build_consensus(cfg, tmp, source, store, key, rebuilt_from, time.time() - t0, progress)
+            build = folder.with_name(f"{folder.name}-{tg.frame[:12]}-{kid}")
+            os.rename(tmp, build)                                  # the build appears whole, under its own name
+        finally: shutil.rmtree(tmp, ignore_errors=True)
+        _point(folder, build)
+        return load_targets(build, verify=False)                   # checked as it was written (_build_consensus)
 
 def _build_consensus(cfg, folder, source, store, key, rebuilt_from, t_embed, progress):
     ref = reference_member(store.specs).name
@@ -390,16 +682,28 @@ def _build_consensus(cfg, folder, source, store, key, rebuilt_from, t_embed, pro
     return load_targets(folder)
 
 def main(argv=None):
-    "Command-line entry point: `tokens` tokenizes a preset's captions into the cached token store and checks their row count (the plan's first stage)."
+    "Command-line entry point: `inspect` counts a caption source and writes its manifest; `tokens` tokenizes a preset's captions into the cached token store and checks their row count (the plan's first stage)."
     import argparse
     ap = argparse.ArgumentParser(prog="python -m captionbert.consensus", description="The consensus stage's command-line steps.")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    t = sub.add_parser("tokens", help="tokenize the captions once (memory-mapped, cached) and check their rows against EXPECTED_ROWS")
+    t = sub.add_parser("tokens", help="tokenize the captions once (memory-mapped, cached) and check their rows against EXPECTED_ROWS "
+                                      "and the preset's held-out and fit samples")
     t.add_argument("--preset", default="auto"); t.add_argument("--roster", default=None)
+    t.add_argument("--accept-rows", type=int, default=None, help="build on this many rows where the captions' declared count differs (the count the row check names)")
+    i = sub.add_parser("inspect", help="count a caption source (hub or local): each column's non-empty cells, the flattened rows, the chunk "
+                                       "layout and the resolved revision or sha256; writes the source manifest the plan and the row check use")
+    i.add_argument("--source", required=True, help="a caption spec: hub:<dataset>[@<revision>]:<column>[+<column>...], jsonl:<path>:<columns>, parquet:<path>:<columns>, a file")
+    i.add_argument("--chunk-size", type=int, default=None, help="rows a chunk where the count is not the published one (default: the published preset's shard size)")
+    i.add_argument("--out", default=None, help="write the manifest here instead of where the plan and the row check look (source_manifest_path)")
     a = ap.parse_args(argv)
+    if a.cmd == "inspect": return inspect_source(a.source, chunk_size=a.chunk_size, out=a.out)
     cfg = AlignmentConfig.preset(a.preset, roster=a.roster)
-    tokens = token_store(cfg.caption_source(verbose=False), load_tokenizer())
+    if a.accept_rows is not None: cfg = cfg.accepting(a.accept_rows)
+    check_corpus_rows(cfg, None)              # inspect's count, where there is one, is checked before the pass that tokenizes
+    source = cfg.caption_source(verbose=False)
+    tokens = token_store(source, load_tokenizer())
     out = {"preset": cfg.name, "captions": cfg.captions, "rows": check_corpus_rows(cfg, len(tokens)), "token_store": str(tokens.folder)}
+    out["fit_rows"], out["held_out_rows"] = check_caption_rows(cfg, tokens.lengths, cfg.REFERENCE_WIDTH[cfg.roster], source)
     print(json.dumps(out)); return out
 
 if __name__ == "__main__" and "__file__" in globals(): main()

@@ -5,18 +5,30 @@
 # %% ../nbs/00_core.ipynb #4864af8a
 from __future__ import annotations
 
-import contextlib, dataclasses, hashlib, json, os, random, subprocess, sys, tempfile, time, warnings
+import contextlib, dataclasses, hashlib, json, os, random, signal, socket, subprocess, sys, tempfile, time, warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
 
 # %% auto #0
-__all__ = ['PRECISIONS', 'SIZES', 'PLAN_KEYS', 'GuardError', 'set_seed', 'pick_device', 'pick_precision', 'autocast',
-           'sha256_file', 'sha256_bytes', 'atomic_path', 'atomic_write_bytes', 'to_jsonable', 'atomic_write_json',
-           'read_safetensors', 'folder_lock', 'code_version', 'stage_hash', 'resolve_preset', 'Presets', 'member_of',
-           'emit_plan', 'RunDir']
+__all__ = ['PRECISIONS', 'FAULT_VAR', 'FAULT_KINDS', 'SIZES', 'PLAN_KEYS', 'repo_root', 'GuardError', 'set_seed', 'pick_device',
+           'pick_precision', 'autocast', 'fault_point', 'sha256_file', 'sha256_bytes', 'current_umask', 'atomic_path',
+           'temporary_writer', 'atomic_write_bytes', 'check_writable', 'to_jsonable', 'atomic_write_json',
+           'read_safetensors', 'read_lines', 'folder_lock', 'pid_alive', 'RunLock', 'keep_run_locks', 'code_version',
+           'stage_hash', 'resolve_preset', 'Presets', 'member_of', 'emit_plan', 'stale_temporaries',
+           'remove_temporaries', 'RunDir']
+
+# %% ../nbs/00_core.ipynb #df8692ea
+def repo_root() -> Path | None:
+    "The checkout this package runs from (the folder with captionbert's pyproject.toml), or None when installed."
+    here = Path(__file__).resolve().parent if "__file__" in globals() else Path.cwd().resolve()
+    for d in [here, *here.parents]:
+        p = d / "pyproject.toml"
+        if p.exists() and 'name = "captionbert"' in p.read_text(): return d
+    return None
+
 
 # %% ../nbs/00_core.ipynb #03855c84
 class GuardError(RuntimeError):
@@ -65,6 +77,25 @@ def autocast(device: torch.device | str, # the run's device
     if precision == "fp32": return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=PRECISIONS[precision])
 
+# %% ../nbs/00_core.ipynb #3aa21f45
+FAULT_VAR = "CAPTIONBERT_FAULT"            # test-only: "<kind>:<name>" makes the process SIGKILL itself at that fault point
+FAULT_KINDS = ("step", "log", "write")     # mid-step (after backward, before the optimizer step), mid-append of a log row, an atomic write before its rename
+
+def fault_point(kind: str, # one of FAULT_KINDS
+                name: str, # the point: a step number, or the path being written (matched by its trailing parts)
+                partial: Optional[Callable] = None # run just before the kill: leaves the half-done state a kill there leaves
+               ):
+    "Test-only: when $CAPTIONBERT_FAULT names this point (`kind:name`), SIGKILL this process here, as a `kill -9` landing in that phase would."
+    spec = os.environ.get(FAULT_VAR)
+    if not spec: return
+    want_kind, sep, want = spec.partition(":")
+    if want_kind not in FAULT_KINDS or not sep or not want:
+        raise ValueError(f"{FAULT_VAR}={spec!r}: expected '<kind>:<name>' with a kind of {list(FAULT_KINDS)} (e.g. 'step:13', "
+                         "'write:checkpoints/state-00000020.pt'); unset it outside the chaos test")
+    if want_kind != kind or not (name == want or name.endswith("/" + want)): return
+    if partial is not None: partial()
+    os.kill(os.getpid(), signal.SIGKILL)
+
 # %% ../nbs/00_core.ipynb #2cabb392
 def sha256_file(path: str | Path, # the file to hash
                 chunk: int = 1 << 20 # bytes read at a time
@@ -79,18 +110,37 @@ def sha256_bytes(data: bytes) -> str:
     "Hex sha256 of `data`."
     return hashlib.sha256(data).hexdigest()
 
+def current_umask() -> int:
+    "The process's file-creation mask, read without changing it where the system shows it (Linux), so no other thread sees it altered."
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"): return int(line.split()[1], 8)
+    except (OSError, ValueError): pass
+    mask = os.umask(0o022); os.umask(mask)            # elsewhere: set and restore (the only portable way to read it)
+    return mask
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path # the final destination
                ) -> Iterator[Path]:
-    "Yield a temporary path beside `path`; rename it onto `path` only if the block finishes."
+    "Yield a temporary path `.<name>.<pid>.<random>.tmp` beside `path`; rename it onto `path` only if the block finishes, with the mode a new file gets (0666 less the umask)."
     path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent)   # the writer's pid: a kill's orphan is known stale
     os.close(fd); tmp = Path(tmp)
     try:
         yield tmp
+        os.chmod(tmp, 0o666 & ~current_umask())      # mkstemp makes 0600; the file a plain open() would have made is 0666 & ~umask
+        fault_point("write", str(path), partial=lambda: os.truncate(tmp, tmp.stat().st_size // 2))   # the chaos test: killed mid-write
         os.replace(tmp, path)
     finally:
         if tmp.exists(): tmp.unlink()
+
+def temporary_writer(path: str | Path # a file
+                    ) -> Optional[int]:
+    "The pid of the process whose atomic_path temporary `path` is, None if it is no such temporary; 0 for one from before pids were named."
+    name = Path(path).name
+    parts = name[1:-4].rsplit(".", 2) if name.startswith(".") and name.endswith(".tmp") else []   # <name>, <pid>, <random> (no dot in it)
+    if len(parts) < 2: return None
+    return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else 0
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     "Write `data` to `path` atomically (temporary name, fsync, rename)."
@@ -98,6 +148,19 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
         with open(tmp, "wb") as f:
             f.write(data); f.flush(); os.fsync(f.fileno())
     return Path(path)
+
+def check_writable(path: str | Path, # a file an atomic writer will write later
+                   what: str = "the output" # what the path is, for the message (e.g. "--out")
+                  ) -> Path:
+    "Refuse, before any work is spent, a file path that cannot be written: a folder, a parent that is a file, a folder this process may not write."
+    path = Path(path)
+    if path.is_dir(): raise IsADirectoryError(f"{what} {path} is a folder, not a file: give a file path, e.g. {path / 'results.json'}")
+    base = next(p for p in (path.parent, *path.parent.parents) if p.exists() or p == p.parent)   # the nearest folder that exists
+    if not base.is_dir(): raise NotADirectoryError(f"{what} {path} cannot be written: {base} is a file, not a folder; choose another path")
+    try:                                                # the real test (permissions, read-only mounts, root): a file made and removed there
+        fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=base); os.close(fd); os.unlink(probe)
+    except OSError as e: raise PermissionError(f"{what} {path} cannot be written ({e.strerror} in {base}): choose a writable path") from None
+    return path
 
 def to_jsonable(obj: Any) -> Any:
     "Dataclasses, paths, tensors, numpy scalars and devices turned into plain JSON values."
@@ -128,6 +191,22 @@ def read_safetensors(path: str | Path, fmt: str, # the file and the `format` its
     if meta.get("format") != fmt: raise GuardError(f"{path} is not a captionbert {what} (format {meta.get('format')!r})")
     return meta, tensors
 
+# %% ../nbs/00_core.ipynb #f77db047
+def read_lines(path: str | Path, # a UTF-8 text file
+               what: str = "text file" # what the file is, for the errors
+              ) -> list[str]:
+    "The file's lines, split on '\\n' alone (a trailing '\\r' dropped): line i is row i, whatever other breaks a caption holds."
+    # str.splitlines() also breaks on \x0b, \x0c, \x1c-\x1e, \x85, \u2028 and \u2029: a 3-line file gave 6 rows and every later row id drifted
+    data = Path(path).read_bytes()
+    try: text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise ValueError(f"{what} {path}: line {line} is not UTF-8 (byte {data[e.start]:#04x} at offset {e.start}): "
+                         "re-save the file as UTF-8") from None
+    lines = text.split("\n")
+    if lines and lines[-1] == "": lines.pop()                             # the final newline ends the last line; it starts none
+    return [l[:-1] if l.endswith("\r") else l for l in lines]
+
 # %% ../nbs/00_core.ipynb #30b44a42
 _HELD_LOCKS: set = set()
 
@@ -145,6 +224,131 @@ def folder_lock(folder: str | Path # the folder to hold
         fcntl.flock(f, fcntl.LOCK_EX); _HELD_LOCKS.add(key)
         try: yield folder
         finally: _HELD_LOCKS.discard(key); fcntl.flock(f, fcntl.LOCK_UN)
+
+# %% ../nbs/00_core.ipynb #b0221ab7
+_RUN_LOCKS: dict = {}          # resolved folder -> [fd, holds]: the run directories this process holds
+_KEPT: list = []               # one set a keep_run_locks block: the folders it keeps held after their last release
+
+def _boot_id() -> Optional[str]:
+    "This boot of this host (Linux), None elsewhere: a pid recorded before a reboot names no process."
+    try: return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError: return None
+
+def _proc_start(pid: int) -> Optional[str]:
+    "When process `pid` of this host started (/proc/<pid>/stat field 22, clock ticks since boot); None where /proc has no such entry."
+    try: return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError): return None
+
+def pid_alive(pid: int, # a process id of this host
+              start: Optional[str] = None # its recorded start time (_proc_start): a reused pid is then told apart
+             ) -> bool:
+    "Whether process `pid` runs on this host (and is the same process that recorded `start`)."
+    try: os.kill(pid, 0)
+    except ProcessLookupError: return False
+    except PermissionError: pass                                          # alive: another user's
+    now = _proc_start(pid)
+    return start is None or now is None or now == start
+
+class RunLock:
+    "One process's exclusive hold on a run directory: a non-blocking flock on <folder>/.run.lock, which records the holder."
+    FILE = ".run.lock"
+    def __init__(self, folder: str | Path, # the run directory
+                 what: str = "run directory" # what the folder is, for the messages
+                ):
+        self.folder, self.what, self._key, self.took_over = Path(folder), what, None, None
+        self.path = self.folder / self.FILE
+    def __repr__(self): return f"RunLock({str(self.folder)!r}, {'held' if self.held else 'not held'})"
+    @property
+    def held(self) -> bool: return self._key is not None
+    @staticmethod
+    def record() -> dict:
+        "What this process writes into a lock it takes."
+        return {"pid": os.getpid(), "host": socket.gethostname(), "boot": _boot_id(), "pid_start": _proc_start(os.getpid()),
+                "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv)[:300]}
+    def holder(self, fd: Optional[int] = None, wait: float = 0.0) -> Optional[dict]:
+        "The record in the lock file (None when empty: released cleanly, or never taken); an empty or cut record is read again for up to `wait` s (a holder between its ftruncate and its pwrite)."
+        if fd is None and not self.path.exists(): return None
+        deadline = time.time() + wait
+        while True:
+            if fd is None: raw = self.path.read_bytes()
+            else: raw = os.pread(fd, 1 << 16, 0)
+            if raw.strip():
+                try: return json.loads(raw)
+                except json.JSONDecodeError: pass
+            if time.time() >= deadline: return {"unreadable": raw[:80].decode(errors="replace")} if raw.strip() else None
+            time.sleep(0.05)
+    def _who(self, rec: dict) -> str:
+        if "unreadable" in rec: return f"a process whose record is unreadable ({rec['unreadable']!r})"
+        return f"pid {rec.get('pid')} on host {rec.get('host')} (since {rec.get('since')}: {rec.get('command') or '?'})"
+    def acquire(self) -> "RunLock":
+        "Take the lock, or raise GuardError naming the process that holds it; a holder that is gone is taken over, with a warning naming it."
+        if self.held: return self
+        key = str(self.folder.resolve())
+        if key in _RUN_LOCKS: _RUN_LOCKS[key][1] += 1; self._key = key; return self   # this process holds it already (nested)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        try: import fcntl
+        except ImportError: fcntl = None                                 # no flock here: the record alone is checked
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)           # never truncated on open, never replaced: one inode for all
+        try:
+            if fcntl is not None:
+                try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    rec = self.holder(fd, wait=1.0) or {"unreadable": "(empty)"}
+                    stop = f"stop it (kill {rec['pid']} on {rec.get('host')})" if "pid" in rec else "stop it"
+                    raise GuardError(f"{self.folder} is in use: {self._who(rec)} holds this {self.what} ({self.path}). Two processes "
+                                     f"in one {self.what} log every step twice and resume from each other's live checkpoints: wait for it "
+                                     f"to finish, {stop}, or pass another run directory.") from None
+            rec = self.holder(fd)
+            if rec is not None: self._check_gone(rec)
+            data = json.dumps(self.record()).encode()
+            os.ftruncate(fd, 0); os.pwrite(fd, data, 0); os.fsync(fd)
+        except BaseException:
+            os.close(fd); raise                                          # closing the descriptor drops the flock
+        _RUN_LOCKS[key] = [fd, 1]; self._key = key
+        if rec is not None:
+            self.took_over = rec
+            warnings.warn(f"{self.folder}: took over the stale lock of {self._who(rec)}: that process no longer runs "
+                          "(it was killed or crashed without releasing it)")
+        return self
+    def _check_gone(self, rec: dict):
+        "GuardError unless the holder a record names is gone (the flock was free, so it died, or its lock did not reach this host)."
+        here, mine = socket.gethostname(), self.record()
+        if "unreadable" in rec: return                                   # a record cut by a kill mid-write: that process is gone
+        if rec.get("host") != here:
+            raise GuardError(f"{self.path} names {self._who(rec)}, another machine: whether that process still runs cannot be checked "
+                             f"from {here} (a lock on a shared filesystem may not reach this host). If no process on {rec.get('host')} "
+                             f"trains in {self.folder}, remove {self.path} and start again.")
+        if rec.get("boot") != mine["boot"] or rec.get("pid") == os.getpid(): return   # rebooted since; or this process, which let go
+        if pid_alive(int(rec["pid"]), rec.get("pid_start")):
+            raise GuardError(f"{self.path} names {self._who(rec)}, which still runs, though its flock was free (a filesystem without "
+                             f"flock?): stop it, or if it is not training in {self.folder}, remove {self.path} and start again.")
+    def release(self):
+        "Let go of the lock (the outermost hold of this process empties the record, then drops the flock)."
+        if not self.held: return
+        entry = _RUN_LOCKS[self._key]; entry[1] -= 1
+        if entry[1] == 0:
+            if _KEPT: _KEPT[-1].add(self._key)                        # inside keep_run_locks: held on until the block ends
+            else: _let_go(self._key)
+        self._key = None
+    def __enter__(self): return self.acquire()
+    def __exit__(self, *exc): self.release()
+
+def _let_go(key: str):
+    "Empty the record of a run directory's lock and drop its flock."
+    fd = _RUN_LOCKS.pop(key)[0]
+    try: os.ftruncate(fd, 0); os.fsync(fd)
+    finally: os.close(fd)
+
+@contextlib.contextmanager
+def keep_run_locks():
+    "Within the block, a run directory this process takes stays held until the block ends: a command's whole life (train, then export)."
+    _KEPT.append(set())
+    try: yield
+    finally:
+        for key in _KEPT.pop():
+            if key in _RUN_LOCKS and _RUN_LOCKS[key][1] == 0:
+                if _KEPT: _KEPT[-1].add(key)                              # an outer block keeps it on
+                else: _let_go(key)
 
 # %% ../nbs/00_core.ipynb #9c9715b8
 def code_version() -> str:
@@ -261,6 +465,30 @@ def emit_plan(plan: dict, # a resolved plan: every key of PLAN_KEYS, plus any th
     return p
 
 # %% ../nbs/00_core.ipynb #72e4f78c
+def stale_temporaries(folder: str | Path, # a folder atomic writes (or builds beside their destination) write into
+                      recursive: bool = False # also every folder under it
+                     ) -> list[Path]:
+    "The temporaries `.<name>.<pid>.<random>.tmp` (files, or folders built beside their destination) in `folder` whose writer no longer runs on this host: a kill's orphans."
+    d, found = Path(folder), []
+    if not d.is_dir(): return found
+    for f in sorted(d.rglob(".*.tmp") if recursive else d.glob(".*.tmp")):
+        pid = temporary_writer(f)
+        if pid is None or any(f.is_relative_to(g) for g in found): continue     # not a temporary, or inside an orphan folder already found
+        if pid == 0 or (pid != os.getpid() and not pid_alive(pid)): found.append(f)
+    return found
+
+def remove_temporaries(paths: list, # orphans stale_temporaries found
+                       where: str | Path # the folder they lie under (named in the warning)
+                      ) -> list:
+    "Remove the orphans (an orphan folder with what it holds), with one warning naming them; returns them."
+    import shutil
+    for p in paths:
+        if p.is_dir() and not p.is_symlink(): shutil.rmtree(p, ignore_errors=True)
+        else: p.unlink(missing_ok=True)
+    if paths: warnings.warn(f"{where}: removed {len(paths)} temporary file(s) that killed writers left: "
+                            f"{', '.join(str(Path(p).relative_to(where)) for p in paths)}")
+    return paths
+
 class RunDir:
     "A run's folder: resolved config, metrics log, artifact manifest with sha256, atomic writes."
     CONFIG, METRICS, MANIFEST = "config.json", "metrics.jsonl", "manifest.json"
@@ -294,9 +522,32 @@ class RunDir:
            ) -> dict:
         "Append one line to `metrics.jsonl` and flush it to disk."
         row = {"step": int(step), "time": round(time.time(), 3), **to_jsonable(metrics)}
-        with open(self.path / self.METRICS, "a") as f:
-            f.write(json.dumps(row) + "\n"); f.flush(); os.fsync(f.fileno())
+        line = (json.dumps(row) + "\n").encode()
+        with open(self.path / self.METRICS, "ab") as f:
+            def cut(): f.write(line[: len(line) // 2]); f.flush(); os.fsync(f.fileno())
+            fault_point("log", str(row["step"]), partial=cut)                 # the chaos test: killed mid-append
+            f.write(line); f.flush(); os.fsync(f.fileno())
         return row
+    def rewind_metrics(self, step: int # the step a resume continues from (its checkpoint's)
+                      ) -> dict:
+        "Rewrite `metrics.jsonl` atomically with its rows up to `step` only; rows past it and lines a kill cut are set aside in a file beside it."
+        p = self.path / self.METRICS
+        if not p.exists(): return {"kept": 0, "set_aside": 0, "unreadable": 0, "file": None}
+        raw = p.read_bytes(); keep, aside, bad = [], [], 0
+        for line in raw.split(b"\n"):
+            if not line.strip(): continue
+            try: row = json.loads(line)
+            except json.JSONDecodeError: row = None
+            if not (isinstance(row, dict) and isinstance(row.get("step"), int)):
+                bad += 1; aside.append(line); continue               # a line a kill cut (and whatever a later append glued to it)
+            (keep if row["step"] <= step else aside).append(line)
+        out = {"kept": len(keep), "set_aside": len(aside), "unreadable": bad, "file": None}
+        if aside:              # named by content: a retry after a kill during this rewrite writes the same file again
+            body = b"\n".join(aside) + b"\n"
+            name = f"metrics.past-step{step}-{sha256_bytes(body)[:12]}.jsonl"
+            atomic_write_bytes(self.path / name, body); out["file"] = name
+        if aside or not raw.endswith(b"\n"): atomic_write_bytes(p, b"".join(l + b"\n" for l in keep))
+        return out
     def metrics(self) -> list[dict]:
         "Every logged row; a final line cut off by a crash is skipped with a warning."
         p = self.path / self.METRICS
@@ -342,3 +593,15 @@ class RunDir:
     def write_json(self, name: str, obj: Any, kind: str = "results") -> Path:
         "Write a JSON artifact atomically and record it."
         p = atomic_write_json(self.path / name, obj); self.record(p, kind); return p
+
+    # -- one writer
+    OWN = ("", "checkpoints", "results", "export")     # the folders this run's own writers fill (a targets/ build has its builder's lock)
+    def stale_temporaries(self) -> list[Path]:
+        "Temporaries of atomic writes in the run's own folders whose writer no longer runs on this host (a kill's orphans)."
+        return [f for sub in self.OWN for f in stale_temporaries(self.path / sub)]
+    def hold(self) -> RunLock:
+        "Take the run's lock (a second process is refused, naming the holder) and remove the temporaries killed writers left; `with run.hold(): ...`."
+        lock = RunLock(self.path).acquire()
+        try: remove_temporaries(self.stale_temporaries(), self.path)
+        except BaseException: lock.release(); raise
+        return lock

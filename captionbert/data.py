@@ -14,31 +14,25 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from .core import GuardError, sha256_bytes, sha256_file
+from .core import GuardError, read_lines, repo_root, sha256_bytes, sha256_file
 
 # %% auto #0
-__all__ = ['STS_DIR_VAR', 'CAPTIONS_VAR', 'CACHE_VAR', 'BERT_TOKENIZER_HUB', 'MAX_TOKENS', 'NOUNS', 'COLOURS', 'SIZE_WORDS',
-           'MATERIALS', 'RELATIONS', 'ATTRIBUTE_KINDS', 'SYNTHETIC_SPEC', 'HUB_SPEC', 'FLICKR_IMAGES_VAR',
-           'FLICKR_SPLITS', 'FLICKR_HEADER', 'CAPTION_PAIR_KINDS', 'TOKEN_FILES', 'repo_root', 'find_data', 'cache_dir',
-           'runs_dir', 'bundled_minilm_path', 'load_tokenizer', 'TextFileCaptions', 'resolve_hub_revision',
-           'HubCaptions', 'SceneObject', 'Scene', 'SceneGrammar', 'open_captions', 'reopen_captions',
-           'default_captions', 'FlickrImages', 'read_flickr_images', 'load_flickr_images', 'flickr_unavailable',
-           'PairSet', 'assert_train_only', 'assert_no_held_out_text', 'caption_pairs', 'tokenize', 'Batch', 'collate',
-           'sorted_batches', 'LengthBucketSampler', 'padding_report', 'tokenizer_fingerprint', 'TokenStore',
-           'token_store_key', 'token_store', 'stratified_sample']
+__all__ = ['STS_DIR_VAR', 'CAPTIONS_VAR', 'CACHE_VAR', 'BERT_TOKENIZER_HUB', 'MAX_TOKENS', 'TABLE_FORMATS', 'FLAT_IDS', 'NOUNS',
+           'COLOURS', 'SIZE_WORDS', 'MATERIALS', 'RELATIONS', 'ATTRIBUTE_KINDS', 'SYNTHETIC_SPEC', 'HUB_SPEC',
+           'TABLE_SPEC', 'FLICKR_IMAGES_VAR', 'FLICKR_SPLITS', 'FLICKR_HEADER', 'CAPTION_PAIR_KINDS', 'TOKEN_FILES',
+           'find_data', 'cache_dir', 'runs_dir', 'bundled_minilm_path', 'load_tokenizer', 'TextFileCaptions',
+           'caption_columns', 'caption_cell', 'flatten_columns', 'count_columns', 'resolve_hub_revision',
+           'load_hub_rows', 'HubCaptions', 'SceneObject', 'Scene', 'SceneGrammar', 'open_captions', 'reopen_captions',
+           'default_captions', 'TableCaptions', 'cc12m_like_rows', 'write_caption_table', 'FlickrImages',
+           'read_flickr_images', 'load_flickr_images', 'flickr_unavailable', 'PairSet', 'assert_train_only',
+           'assert_no_held_out_text', 'caption_pairs', 'tokenize', 'Batch', 'collate', 'sorted_batches',
+           'LengthBucketSampler', 'padding_report', 'tokenizer_fingerprint', 'TokenStore', 'token_store_key',
+           'token_store', 'stratified_sample']
 
 # %% ../nbs/01_data.ipynb #b68a476c
 STS_DIR_VAR = "CAPTIONBERT_STS_DIR"        # folder of <task>.tsv files for the benchmark
 CAPTIONS_VAR = "CAPTIONBERT_CAPTIONS"      # a caption text file, one caption a line
 CACHE_VAR = "CAPTIONBERT_CACHE"            # where reusable intermediate results (teacher embeddings) are kept
-
-def repo_root() -> Path | None:
-    "The checkout this package runs from (the folder with captionbert's pyproject.toml), or None when installed."
-    here = Path(__file__).resolve().parent if "__file__" in globals() else Path.cwd().resolve()
-    for d in [here, *here.parents]:
-        p = d / "pyproject.toml"
-        if p.exists() and 'name = "captionbert"' in p.read_text(): return d
-    return None
 
 def find_data(env_var: str, # the variable a user sets to point at their copy
               dev_relpath: str # the path under ../shared/data in the development layout
@@ -61,7 +55,11 @@ def cache_dir(*parts: str # sub-folders
 
 def runs_dir(*parts: str # sub-folders
             ) -> Path:
-    "Where runs write by default: runs/ in the checkout, else ./runs."
+    "Where runs write by default: runs/ in the checkout, else ./runs; each part one plain folder name, so a run name cannot leave runs/."
+    for p in parts:                                                      # `-p run_name ../../x` wrote outside runs/
+        if not isinstance(p, str) or not p or p in (".", "..") or "/" in p or "\\" in p or os.path.isabs(p) or p.startswith("~"):
+            raise ValueError(f"run name {p!r} is not one plain folder name: a run folder lives directly under runs/ "
+                             "(no '/', '..', absolute path or '~'); to write elsewhere, pass the folder itself (e.g. run_dir=, --run-dir)")
     root = repo_root()
     d = (root / "runs" if root is not None else Path.cwd() / "runs").joinpath(*parts)
     d.mkdir(parents=True, exist_ok=True)
@@ -96,7 +94,7 @@ class TextFileCaptions:
         self.path, self.limit = Path(path), limit
         if not self.path.exists():
             raise FileNotFoundError(f"caption file {self.path} does not exist; set {CAPTIONS_VAR} to a text file with one caption a line")
-        lines = [l.strip() for l in self.path.read_text(encoding="utf-8").splitlines()]
+        lines = [l.strip() for l in read_lines(self.path, "caption file")]   # '\n' alone ends a caption
         self.captions = [l for l in lines if l][:limit]
         if not self.captions: raise ValueError(f"caption file {self.path} holds no captions")
         self.name = self.path.stem + (f"[:{limit}]" if limit else "")
@@ -105,10 +103,82 @@ class TextFileCaptions:
     def __getitem__(self, i): return self.captions[i]
     def __iter__(self): return iter(self.captions)
     def __repr__(self): return f"TextFileCaptions({self.name}, n={len(self)})"
+    def whole(self) -> "TextFileCaptions":
+        "The same file without the limit (what a count of the source counts)."
+        return self if self.limit is None else TextFileCaptions(self.path)
     def describe(self) -> dict:
         "The record that reopens exactly these captions: the file's path and sha256, the limit, the content fingerprint."
         return {"kind": "file", "path": str(self.path.resolve()), "sha256": sha256_file(self.path), "limit": self.limit,
                 "n": len(self), "fingerprint": self.fingerprint}
+
+TABLE_FORMATS = ("jsonl", "parquet")   # local tables a caption spec can name: JSON lines (gzipped or not) and parquet (TableCaptions)
+FLAT_IDS = "column-major-v1"   # row ids of several columns flattened: each column's non-empty cells in table order, one column after the other
+
+def caption_columns(columns: str | Sequence[str], # "a+b+c", or the column names in order
+                    where: str # the spec or source, named in the error
+                   ) -> tuple[str, ...]:
+    "The declared column order of a spec's `a+b+c`: each name non-empty and named once."
+    cols = tuple(columns.split("+")) if isinstance(columns, str) else tuple(columns)
+    if not cols or any(not c for c in cols) or len(set(cols)) != len(cols):
+        raise ValueError(f"{where}: caption columns are one name or several joined by '+', each named once (e.g. "
+                         f"'caption_llava+caption_llava_short+caption'), got {'+'.join(cols)!r}")
+    return cols
+
+def caption_cell(value, # one cell of a caption column
+                 column: str, row: int # where it is, named in the error
+                ) -> str | None:
+    "A cell as a caption: its text, or None when it is empty (null, missing, or only whitespace); TypeError for a cell that is not text."
+    if value is None: return None
+    if not isinstance(value, str):
+        raise TypeError(f"column {column!r} row {row} holds a {type(value).__name__} ({str(value)[:40]!r}), not text: name caption columns only")
+    return value if value.strip() else None
+
+def _holds_columns(row, columns, where: str):
+    "ValueError unless `row` (a table's first row, or its schema as a dict) names every column."
+    missing = [c for c in columns if c not in row]
+    if missing: raise ValueError(f"{where} has no column {missing}; its rows hold {sorted(row)}: name columns it holds")
+
+def _records(rows, where: str):
+    "The rows, each checked to be a record of named columns."
+    for r, row in enumerate(rows):
+        if not isinstance(row, dict): raise ValueError(f"{where}: row {r} is a {type(row).__name__}, not a record of named columns")
+        yield r, row
+
+def flatten_columns(read_rows, # (columns) -> the table's rows in order, as dicts
+                    columns: Sequence[str], # the declared order
+                    limit: int | None = None, # stop after this many captions
+                    where: str = "the table" # named in errors
+                   ) -> Iterator[str]:
+    "The non-empty cells of `columns`, one column after another (FLAT_IDS: row id = position in this stream), stopping at `limit`."
+    n = 0
+    for c in columns:
+        if limit is not None and n >= limit: return
+        first, seen = None, False
+        for r, row in _records(read_rows([c]), where):
+            first = row if first is None else first; seen = seen or c in row
+            text = caption_cell(row.get(c), c, r)
+            if text is None: continue                                   # an empty cell is no caption: skipped (count_columns counts them)
+            yield text; n += 1
+            if limit is not None and n >= limit: return
+        if not seen: _holds_columns(first or {}, [c], where)           # a column no row holds is a misnamed column, not an empty one
+
+def count_columns(rows, # the table's rows in order, as dicts
+                  columns: Sequence[str], # the declared order
+                  where: str = "the table" # named in errors
+                 ) -> dict:
+    "One pass over a table: each column's rows, non-empty and empty cells and the row ids its captions take (FLAT_IDS), and the flattened count."
+    counts = {c: {"rows": 0, "non_empty": 0} for c in columns}
+    first, seen = None, set()
+    for r, row in _records(rows, where):
+        first = row if first is None else first; seen.update(c for c in columns if c in row)
+        for c in columns:
+            counts[c]["rows"] += 1
+            counts[c]["non_empty"] += caption_cell(row.get(c), c, r) is not None
+    if len(seen) < len(columns): _holds_columns(first or {}, [c for c in columns if c not in seen], where)
+    lo = 0
+    for c in counts.values():
+        c["empty"] = c["rows"] - c["non_empty"]; c["ids"] = [lo, lo + c["non_empty"]]; lo += c["non_empty"]
+    return {"columns": counts, "rows": lo, "id_scheme": FLAT_IDS}
 
 def resolve_hub_revision(name: str, # hub dataset
                          revision: str | None = None # a branch, tag or commit; None = the default branch
@@ -121,20 +191,30 @@ def resolve_hub_revision(name: str, # hub dataset
         raise RuntimeError(f"cannot resolve hub dataset {name!r} at revision {revision!r} to a commit ({type(e).__name__}: {e}); "
                            f"connect to the hub, or pin a commit with the spec 'hub:{name}@<40-hex commit>:<column>'") from e
 
+def load_hub_rows(name: str, config: str | None, split: str, revision: str, streaming: bool):
+    "The rows of a hub dataset split at one commit (`datasets.load_dataset`): HubCaptions' default loader."
+    from datasets import load_dataset
+    return load_dataset(name, config, split=split, revision=revision, streaming=streaming)
+
 class HubCaptions:
-    "Captions from a hub dataset column at one resolved commit, streamed in order; the row id is the position in the stream."
+    "Captions from a hub dataset column at one resolved commit, streamed in order; the row id is the position in the stream. Several columns (`a+b+c`) are flattened (FLAT_IDS)."
     def __init__(self, name: str, # hub dataset, e.g. a CC12M caption set
-                 column: str, # the caption column
+                 column: str, # the caption column, or several joined by '+' (flattened in that order, empty cells skipped)
                  split: str = "train", # the split to stream
                  revision: str | None = None, # branch, tag or commit to pin; None = the default branch, resolved on first use
                  limit: int | None = None, # stop after this many rows
                  streaming: bool = True, # stream rather than download
                  resolver=None, # (name, revision) -> commit sha; None = resolve_hub_revision (asks the hub)
-                 config: str | None = None # the dataset's config name (e.g. WikiText's "wikitext-103-raw-v1"); None = its only one
+                 config: str | None = None, # the dataset's config name (e.g. WikiText's "wikitext-103-raw-v1"); None = its only one
+                 loader=None # (name, config, split, commit, streaming) -> the split's rows; None = load_hub_rows (datasets.load_dataset)
                 ):
         self.hub_name, self.column, self.split, self.revision, self.limit, self.streaming = name, column, split, revision, limit, streaming
-        self.config = config
-        self.resolver, self._commit = resolver or resolve_hub_revision, None
+        self.config, self.columns = config, caption_columns(column, f"hub:{name}")
+        self.resolver, self._commit, self.loader = resolver or resolve_hub_revision, None, loader or load_hub_rows
+    @property
+    def flattened(self) -> bool:
+        "Several columns: their non-empty cells one column after another (FLAT_IDS); one column is streamed as it is, every row."
+        return len(self.columns) > 1
     @property
     def commit(self) -> str:
         "The commit this source reads: `revision` resolved once, on first use (a network call unless a sha was pinned)."
@@ -153,19 +233,43 @@ class HubCaptions:
     def describe(self) -> dict:
         "The record that reopens exactly these captions: dataset, revision asked, commit resolved, config, split, column, limit."
         return {"kind": "hub", "hub_name": self.hub_name, "revision": self.revision, "commit": self.commit, "config": self.config,
-                "split": self.split, "column": self.column, "limit": self.limit, "spec": self.spec, "fingerprint": self.fingerprint}
+                "split": self.split, "column": self.column, "limit": self.limit, "spec": self.spec, "fingerprint": self.fingerprint,
+                **({"columns": list(self.columns), "id_scheme": FLAT_IDS} if self.flattened else {})}
     @property
     def fingerprint(self) -> str:
-        "Hash of what names the content: dataset, resolved commit, config (when named), split, column and limit."
-        return sha256_bytes(f"{self.hub_name}@{self.commit}{self._cfg}:{self.split}:{self.column}:{self.limit}".encode())
+        "Hash of what names the content: dataset, resolved commit, config (when named), split, column(s), limit, and how several columns are flattened."
+        return sha256_bytes(f"{self.hub_name}@{self.commit}{self._cfg}:{self.split}:{self.column}:{self.limit}".encode()
+                            + (f":{FLAT_IDS}".encode() if self.flattened else b""))
+    def whole(self) -> "HubCaptions":
+        "The same columns at the same commit without the limit: what `count` counts."
+        w = HubCaptions(self.hub_name, self.column, self.split, self.revision, None, self.streaming, self.resolver, self.config, self.loader)
+        w._commit = self.commit; return w
+    def rows(self, columns: Sequence[str] | None = None # only these columns, where the dataset can say which it holds
+            ) -> Iterator[dict]:
+        "The split's rows at the resolved commit, in order."
+        ds = self.loader(self.hub_name, self.config, self.split, self.commit, self.streaming)
+        have = getattr(ds, "column_names", None)
+        if columns and have:                                             # known up front: check, and read only these
+            _holds_columns(dict.fromkeys(have), columns, f"hub:{self.hub_name}@{self.commit[:12]}{self._cfg} ({self.split})")
+            if hasattr(ds, "select_columns"): ds = ds.select_columns(list(columns))
+        return iter(ds)
+    def count(self) -> dict:
+        "One pass over the split: each column's rows and non-empty cells, and the rows this source yields (count_columns)."
+        out = count_columns(self.rows(self.columns), self.columns, f"hub:{self.hub_name}@{self.commit[:12]}{self._cfg} ({self.split})")
+        if not self.flattened: out.update(rows=out["columns"][self.column]["rows"], id_scheme="stream")   # one column: every row, as it is
+        return out
     def __len__(self):
         if self.limit is None: raise TypeError("a streamed hub source has no known length; pass limit=")
         return self.limit
     def __iter__(self) -> Iterator[str]:
-        from datasets import load_dataset
-        ds = load_dataset(self.hub_name, self.config, split=self.split, revision=self.commit, streaming=self.streaming)
-        for i, row in enumerate(ds):
+        if self.flattened:
+            yield from flatten_columns(self.rows, self.columns, self.limit, f"hub:{self.hub_name}@{self.commit[:12]}{self._cfg} ({self.split})")
+            return
+        for i, row in enumerate(self.rows()):
             if self.limit is not None and i >= self.limit: break
+            if row[self.column] is None:                                 # str(None) would be the caption "None"
+                raise ValueError(f"{self.name}: row {i} is null. One hub column is read as it is, every row its own row id; a null is no "
+                                 "caption. Name it with other columns (a+b: empty cells skipped and counted), or read a local copy (jsonl:/parquet:)")
             yield str(row[self.column])
     def __repr__(self):
         at = f"commit {self._commit[:12]}" if self._commit else "commit not resolved yet"
@@ -244,12 +348,14 @@ class SceneGrammar:
 
 # %% ../nbs/01_data.ipynb #14412c9f
 SYNTHETIC_SPEC = re.compile(r"synthetic(?::([1-9][0-9]*))?")          # the whole spec: "synthetic" or "synthetic:N"
-HUB_SPEC = re.compile(r"hub:([^:@#]+)(?:@([^:@#]+))?(?:#([^:@#]+))?:([^:]+)(?::([^:]+))?")  # hub:<dataset>[@<revision>][#<config>]:<column>[:<split>]
+HUB_SPEC = re.compile(r"hub:([^:@#]+)(?:@([^:@#]+))?(?:#([^:@#]+))?:([^:]+)(?::([^:]+))?")  # hub:<dataset>[@<revision>][#<config>]:<column>[+<column>...][:<split>]
+TABLE_SPEC = re.compile(rf"({'|'.join(TABLE_FORMATS)}):(.+):([^:/\\]+)")   # <format>:<path>:<column>[+<column>...] (the path may hold ':')
 
-def open_captions(spec: str | Path, # "synthetic[:N]", "hub:<dataset>[@<revision>][#<config>]:<column>[:<split>]", or a file path
+def open_captions(spec: str | Path, # "synthetic[:N]", "hub:<dataset>[@<revision>][#<config>]:<column>[+<column>...][:<split>]", "jsonl|parquet:<path>:<column>[+<column>...]", or a file path
                   limit: int | None = None, # keep only the first `limit` captions
                   seed: int = 0, # grammar seed for "synthetic"
-                  resolver=None # hub specs only: (name, revision) -> commit sha (see HubCaptions)
+                  resolver=None, # hub specs only: (name, revision) -> commit sha (see HubCaptions)
+                  loader=None # hub specs only: (name, config, split, commit, streaming) -> rows (see HubCaptions)
                  ):
     "A caption source from a user's description of it: the whole spec must match a grammar, else it is a file path."
     s = str(spec)
@@ -258,9 +364,13 @@ def open_captions(spec: str | Path, # "synthetic[:N]", "hub:<dataset>[@<revision
         return SceneGrammar(n=min(n, limit) if limit else n, seed=seed)
     if not isinstance(spec, Path) and s.startswith("hub:"):
         m = HUB_SPEC.fullmatch(s)
-        if m is None: raise ValueError(f"hub captions are 'hub:<dataset>[@<revision>][#<config>]:<column>[:<split>]', got {s!r}")
+        if m is None: raise ValueError(f"hub captions are 'hub:<dataset>[@<revision>][#<config>]:<column>[+<column>...][:<split>]', got {s!r}")
         name, revision, config, column, split = m.groups()
-        return HubCaptions(name, column, split=split or "train", revision=revision, limit=limit, resolver=resolver, config=config)
+        return HubCaptions(name, column, split=split or "train", revision=revision, limit=limit, resolver=resolver, config=config, loader=loader)
+    if not isinstance(spec, Path) and ":" in s and s.split(":", 1)[0] in TABLE_FORMATS:
+        m = TABLE_SPEC.fullmatch(s)
+        if m is None: raise ValueError(f"table captions are '<format>:<path>:<column>[+<column>...]' with format one of {TABLE_FORMATS}, got {s!r}")
+        return TableCaptions(m[2], m[3], fmt=m[1], limit=limit)
     if not isinstance(spec, Path) and s.startswith("synthetic:") and not Path(s).exists():
         raise ValueError(f"synthetic captions are 'synthetic' or 'synthetic:N' with N a positive whole number; {s!r} is neither, nor a file")
     return TextFileCaptions(s, limit=limit)
@@ -283,7 +393,12 @@ def reopen_captions(record: dict, # a source's describe() record (targets.json k
         elif fallback is not None: src = fallback()
         else: raise FileNotFoundError(f"the caption file {p} (sha256 {record['sha256'][:12]}…) is not there; set {CAPTIONS_VAR} to a copy of it")
         advice = f"point {CAPTIONS_VAR} at the file with sha256 {record['sha256'][:12]}… ({p.name}, {record['n']} captions)"
-    else: raise ValueError(f"unknown caption record kind {kind!r}: one of 'file', 'hub', 'synthetic' (a describe() record)")
+    elif kind == "table":
+        p = Path(record["path"])
+        if not p.exists(): raise FileNotFoundError(f"the caption table {p} (sha256 {record['sha256'][:12]}…) is not there; put the file with that sha256 at that path")
+        src = TableCaptions(p, record["columns"], fmt=record["format"], limit=record["limit"])
+        advice = f"{p} is not the table with sha256 {record['sha256'][:12]}… ({record['n']} captions of {'+'.join(record['columns'])}); restore that file"
+    else: raise ValueError(f"unknown caption record kind {kind!r}: one of 'file', 'hub', 'synthetic', 'table' (a describe() record)")
     if src.fingerprint != record["fingerprint"]:
         raise GuardError(f"the captions reopened from the record ({src!r}) are not the recorded ones (fingerprint "
                          f"{src.fingerprint[:12]} != {record['fingerprint'][:12]}): {advice}")
@@ -297,6 +412,97 @@ def default_captions(limit: int | None = None, # keep only the first `limit` cap
     src = TextFileCaptions(p, limit=limit) if p is not None else SceneGrammar(n=limit or 10_000)
     if verbose: print(f"captions: {src!r}" + ("" if p else f"  ({CAPTIONS_VAR} not set and no development copy found)"))
     return src
+
+# %% ../nbs/01_data.ipynb #2dcf789b
+class TableCaptions:
+    "Caption columns of a local JSON-lines (plain or gzipped) or parquet file, flattened in the declared order (FLAT_IDS); streamed, never held in RAM."
+    def __init__(self, path: str | Path, # the table file
+                 columns: str | Sequence[str], # "a+b+c" or the names, in the order their rows take ids
+                 fmt: str = "jsonl", # "jsonl" (a gzipped file is read as such) or "parquet"
+                 limit: int | None = None # stop after this many captions
+                ):
+        self.path, self.fmt, self.limit = Path(path), fmt, limit
+        self.columns = caption_columns(columns, f"{fmt}:{path}")
+        if fmt not in TABLE_FORMATS: raise ValueError(f"table format {fmt!r} is not one of {TABLE_FORMATS}")
+        if not self.path.is_file(): raise FileNotFoundError(f"caption table {self.path} does not exist (spec '{fmt}:<path>:<column>[+<column>...]')")
+        self._sha256, self._n = None, None
+    @property
+    def sha256(self) -> str:
+        "The file's sha256 (read once): what names the content."
+        if self._sha256 is None: self._sha256 = sha256_file(self.path)
+        return self._sha256
+    @property
+    def spec(self) -> str: return f"{self.fmt}:{self.path.resolve()}:{'+'.join(self.columns)}"
+    @property
+    def name(self) -> str: return f"{self.path.name}:{'+'.join(self.columns)}" + (f"[:{self.limit}]" if self.limit else "")
+    @property
+    def fingerprint(self) -> str:
+        "Hash of what names the content: the file's sha256, format, columns in order, limit and the id scheme."
+        return sha256_bytes(f"table:{self.fmt}:{self.sha256}:{'+'.join(self.columns)}:{self.limit}:{FLAT_IDS}".encode())
+    def rows(self, columns: Sequence[str] | None = None # only these columns (parquet reads no others)
+            ) -> Iterator[dict]:
+        "The table's rows in file order, as dicts."
+        if self.fmt == "parquet":
+            import pyarrow.parquet as pq
+            f = pq.ParquetFile(self.path)
+            if columns: _holds_columns(dict.fromkeys(f.schema_arrow.names), columns, str(self.path))
+            for batch in f.iter_batches(columns=list(columns) if columns else None): yield from batch.to_pylist()
+            return
+        import gzip, json
+        with open(self.path, "rb") as probe: zipped = probe.read(2) == b"\x1f\x8b"
+        with (gzip.open(self.path, "rt", encoding="utf-8") if zipped else open(self.path, encoding="utf-8")) as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip(): continue
+                try: yield json.loads(line)
+                except json.JSONDecodeError as e: raise ValueError(f"{self.path}: line {i} is not JSON ({e})") from None
+    def count(self) -> dict:
+        "One pass over the table: each column's rows and non-empty cells, and the flattened count (count_columns)."
+        out = count_columns(self.rows(self.columns), self.columns, str(self.path))
+        self._n = out["rows"]; return out
+    def whole(self) -> "TableCaptions":
+        "The same columns of the same file without the limit: what `count` counts."
+        w = TableCaptions(self.path, self.columns, self.fmt); w._sha256, w._n = self._sha256, self._n; return w
+    def __len__(self):
+        if self._n is None: self.count()                              # one pass, once: the file's content decides it
+        return self._n if self.limit is None else min(self._n, self.limit)
+    def __iter__(self) -> Iterator[str]: return flatten_columns(self.rows, self.columns, self.limit, str(self.path))
+    def __repr__(self):
+        return (f"TableCaptions({self.path.name}, {self.fmt}, columns={'+'.join(self.columns)}" + (f", n={len(self)}" if self._n is not None else "")
+                + (f", limit={self.limit})" if self.limit else ")"))
+    def describe(self) -> dict:
+        "The record that reopens exactly these captions: the file's path, format and sha256, the columns in order, the limit, the count."
+        return {"kind": "table", "format": self.fmt, "path": str(self.path.resolve()), "sha256": self.sha256, "columns": list(self.columns),
+                "limit": self.limit, "n": len(self), "id_scheme": FLAT_IDS, "spec": self.spec, "fingerprint": self.fingerprint}
+
+def cc12m_like_rows(n: int = 40, # images (rows)
+                    seed: int = 0, # the scene grammar's seed
+                    empty: dict | None = None # column -> row indices whose cell is empty ("", None, whitespace, key missing, in turn); None: none
+                   ) -> list[dict]:
+    "Rows of the schema of CaptionEmporium/conceptual-captions-cc12m-llavanext (url, caption, caption_llava, caption_llava_short), worded by the scene grammar: a local stand-in for rehearsing that schema offline."
+    g, kinds = SceneGrammar(n=3 * n, seed=seed), ("", None, "   ", "missing")
+    rows = [{"url": f"https://example.invalid/{seed}/{i}.jpg", "caption": g[3 * i], "caption_llava": f"The image shows {g[3 * i + 1]}.",
+             "caption_llava_short": g[3 * i + 2]} for i in range(n)]
+    for col, idx in (empty or {}).items():
+        for k, i in enumerate(idx):
+            if kinds[k % 4] == "missing": rows[i].pop(col)
+            else: rows[i][col] = kinds[k % 4]
+    return rows
+
+def write_caption_table(rows: Sequence[dict], # records of named columns
+                        path: str | Path # .jsonl, .jsonl.gz or .parquet: the format follows the name
+                       ) -> Path:
+    "Write rows as JSON lines (gzipped for .gz) or parquet: the files TableCaptions reads."
+    import gzip, json
+    path = Path(path)
+    if path.suffix == ".parquet":
+        import pyarrow as pa, pyarrow.parquet as pq
+        pq.write_table(pa.Table.from_pylist(list(rows)), path)
+    else:
+        text = "".join(json.dumps(r) + "\n" for r in rows)
+        if path.suffix == ".gz":
+            with gzip.open(path, "wt", encoding="utf-8") as f: f.write(text)
+        else: path.write_text(text, encoding="utf-8")
+    return path
 
 # %% ../nbs/01_data.ipynb #8bf6db3a
 FLICKR_IMAGES_VAR = "CAPTIONBERT_FLICKR_IMAGES"   # Flickr8k captions with their image and split (image<TAB>split<TAB>caption)

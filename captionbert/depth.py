@@ -22,19 +22,20 @@ from .core import GuardError, Presets, atomic_path, read_safetensors
 from .data import ATTRIBUTE_KINDS, MATERIALS, NOUNS, SIZE_WORDS, Batch, Scene, SceneGrammar, collate
 from .encoder import CaptionEncoder, LearnedPositions, set_residual_hook
 from .gauges import effective_rank
+from .stats import bootstrap_interval, paired_interval
 
 # %% auto #0
-__all__ = ['GRAMMAR_WORDS', 'NEUTRAL_WORDS', 'BINDING_BAR', 'BINDING_LAMBDA', 'RECOVERY_BAR', 'RANK_BAR', 'MIN_DEPTHS', 'CONTEXT',
-           'CHANCE', 'MIN_BAND', 'DEPTH_ARM_FORMAT', 'BindingItem', 'binding_items', 'scene_reads', 'neutral_captions',
-           'filler_stream', 'place', 'ProbeSet', 'probe_set', 'read_states', 'BagOfWords', 'PositionOnly',
-           'shuffled_states', 'binding_holds', 'wilson95', 'binding_probe', 'token_table', 'token_recoverability',
-           'grid_rank', 'rank_verdict', 'span_similarity', 'model_capacity', 'copied_rows', 'seam_positions',
-           'above_chance', 'DepthPlan', 'spectrum_depths', 'read_spectrum', 'band_read', 'similarity_kept',
-           'spectrum_ends', 'copied_positions', 'trunk_dims', 'position_table', 'ExtendedPositions', 'arm_installed',
-           'DepthArm', 'DepthModel', 'assert_disengage_exact', 'save_depth_arm', 'load_depth_arm', 'standin_trunk',
-           'depth_gate', 'LongInputs', 'TokenDistill', 'DepthConfig', 'position_reach', 'trained_range', 'load_teacher',
-           'train_depth_arm', 'check_fresh_study', 'declare_gate', 'repair_arc', 'repair_split', 'show_split',
-           'PooledStates']
+__all__ = ['GRAMMAR_WORDS', 'NEUTRAL_WORDS', 'BINDING_BAR', 'BINDING_LAMBDA', 'RECOVERY_BAR', 'RANK_BAR', 'DIRECTIONS',
+           'MIN_DEPTHS', 'CONTEXT', 'CHANCE', 'MIN_BAND', 'DEPTH_ARM_FORMAT', 'BindingItem', 'binding_items',
+           'scene_reads', 'neutral_captions', 'filler_stream', 'place', 'ProbeSet', 'probe_set', 'read_states',
+           'BagOfWords', 'Unmixed', 'PositionOnly', 'shuffled_states', 'binding_holds', 'binding_probe', 'token_table',
+           'token_recoverability', 'grid_rank', 'rank_verdict', 'span_similarity', 'model_capacity', 'copied_rows',
+           'seam_positions', 'above_chance', 'ratio_bars', 'DepthPlan', 'spectrum_depths', 'read_spectrum', 'band_read',
+           'similarity_kept', 'spectrum_ends', 'copied_positions', 'trunk_dims', 'position_table', 'ExtendedPositions',
+           'arm_installed', 'DepthArm', 'DepthModel', 'assert_disengage_exact', 'save_depth_arm', 'load_depth_arm',
+           'standin_trunk', 'depth_gate', 'LongInputs', 'TokenDistill', 'DepthConfig', 'study_seeds', 'position_reach',
+           'trained_range', 'load_teacher', 'train_depth_arm', 'check_fresh_study', 'declare_gate', 'repair_arc',
+           'repair_split', 'show_split', 'PooledStates']
 
 # %% ../nbs/09_depth.ipynb #f954ab7a
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +177,7 @@ def read_states(model, # anything called as model(input_ids, attention_mask) who
     return torch.cat(parts)
 
 class BagOfWords(nn.Module):
-    "The binding control: each token's embedding plus the mean of its row's bag (no positions, no attention, order-blind by construction)."
+    "An item check, not a control: each token's embedding plus its row's bag (order-blind); on minimal pairs it reads exactly chance by construction (a pair's sides share one bag), and it binds items that are not minimal pairs (a fixed noun-attribute pairing)."
     def __init__(self, table: torch.Tensor # [V, D] token embeddings (e.g. the trunk's own)
                 ):
         super().__init__(); self.table = nn.Parameter(table.detach().clone(), requires_grad=False)
@@ -187,8 +188,24 @@ class BagOfWords(nn.Module):
         bag = (self.table[ids] * ids.ne(0)[..., None]).sum(1) / m.sum(1, keepdim=True).clamp_min(1)   # [B, D], summed in id order
         return SimpleNamespace(last_hidden_state=e + bag[:, None] * m[..., None])
 
+class Unmixed(nn.Module):
+    "The binding control: each token's state is its own embedding plus its position's, no token sees another; it binds only through positions (it reaches the bar where nouns keep their slots and attribute lengths shift them)."
+    def __init__(self, table: torch.Tensor, # [V, D] token embeddings (e.g. the trunk's own)
+                 positions: torch.Tensor # [P, D] a position table (e.g. the trunk's learned positions)
+                ):
+        super().__init__()
+        if table.shape[1] != positions.shape[1]:
+            raise ValueError(f"the token table is {table.shape[1]} wide and the position table {positions.shape[1]}: give tables of one width (the same trunk's)")
+        self.table = nn.Parameter(table.detach().clone(), requires_grad=False)
+        self.positions = nn.Parameter(positions.detach().clone(), requires_grad=False)
+    def forward(self, input_ids, attention_mask=None):
+        m = input_ids.ne(0) if attention_mask is None else attention_mask.bool()
+        if input_ids.shape[1] > self.positions.shape[0]:
+            raise ValueError(f"input has {input_ids.shape[1]} tokens but the position table holds {self.positions.shape[0]}")
+        return SimpleNamespace(last_hidden_state=(self.table[input_ids] + self.positions[:input_ids.shape[1]]) * m[..., None])   # [B, L, D]
+
 class PositionOnly(nn.Module):
-    "The recoverability control: every token's state is its position's embedding (nothing of the token survives)."
+    "The recoverability control: every token's state is its position's embedding (nothing of the token survives); it passes where position alone tells the token (every sentence one template)."
     def __init__(self, positions: torch.Tensor # [P, D] a position table (e.g. the trunk's learned positions)
                 ):
         super().__init__(); self.positions = nn.Parameter(positions.detach().clone(), requires_grad=False)
@@ -198,7 +215,7 @@ class PositionOnly(nn.Module):
 def shuffled_states(states: torch.Tensor, # [B, L, D]
                     mask: torch.Tensor, # [B, L] real tokens
                     seed: int = 0) -> torch.Tensor:
-    "The states with each row's real tokens permuted among themselves (a second recoverability control)."
+    "The states with each row's real tokens permuted among themselves (a second recoverability control; it passes where order carries nothing: a row that repeats one token)."
     g, out = torch.Generator().manual_seed(seed), states.clone()
     for r in range(states.shape[0]):
         idx = mask[r].bool().nonzero().squeeze(1)
@@ -219,21 +236,16 @@ def _ridge(X: torch.Tensor, Y: torch.Tensor, lam: float) -> Callable:
     W = torch.linalg.solve(Z.T @ Z + lam * len(Z) * torch.eye(Z.shape[1], dtype=Z.dtype), Z.T @ (Y - ybar))
     return lambda x: ((x.double() - mu) / sd) @ W + ybar
 
-def binding_holds(read: dict, # a binding read: binding_probe's output or a spectrum row (both directions)
-                  bar: float = BINDING_BAR) -> bool:
-    "The one definition of \"binding holds\": BOTH directions at or above the bar (their minimum), never their mean."
-    missing = [k for k in ("object_to_attribute", "attribute_to_object") if k not in read]
-    if missing: raise KeyError(f"a binding read needs both directions to say whether binding holds; this one lacks {missing}")
-    return min(read["object_to_attribute"], read["attribute_to_object"]) >= bar
+DIRECTIONS = ("object_to_attribute", "attribute_to_object")   # the two reads of binding: "holds" needs both
 
-def wilson95(p: float, # an observed proportion (ties counted half)
-             n: int # the reads it is a proportion of
-            ) -> tuple:
-    "The Wilson 95% interval of a binomial proportion: every binding read is printed with it."
-    if n <= 0: raise ValueError(f"an interval needs at least one read, got n={n}")
-    z = 1.959964; den = 1 + z * z / n
-    c, h = (p + z * z / (2 * n)) / den, z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-    return (float(max(0.0, c - h)), float(min(1.0, c + h)))
+def binding_holds(read: dict, # a binding read: binding_probe's output, a spectrum row or a band read (both directions)
+                  bar=BINDING_BAR # one bar for both directions, or {direction: bar} (the gate's: each direction's share of its band)
+                 ) -> bool:
+    "The one definition of \"binding holds\": BOTH directions at or above the bar (their minimum), never their mean."
+    missing = [k for k in DIRECTIONS if k not in read]
+    if missing: raise KeyError(f"a binding read needs both directions to say whether binding holds; this one lacks {missing}")
+    bars = bar if isinstance(bar, dict) else dict.fromkeys(DIRECTIONS, bar)
+    return all(read[k] >= bars[k] for k in DIRECTIONS)
 
 def _binding_read(states, ps, direction):
     "States at one role of every object and the two-way choice each must make: [M, D], the right class and the other one, and the class count."
@@ -243,24 +255,28 @@ def _binding_read(states, ps, direction):
 
 def binding_probe(fit_states: torch.Tensor, fit: ProbeSet, # [2N, L, D] states of the fit items, and the items
                   eval_states: torch.Tensor, held: ProbeSet, # the same for held-out items
-                  bar: float = BINDING_BAR, lam: float = BINDING_LAMBDA) -> dict:
-    "Symmetric attribute binding on held-out items: which of the item's two attributes is the object's, and which object is the attribute's."
+                  bar: float = BINDING_BAR, lam: float = BINDING_LAMBDA,
+                  seed: int = 0 # the item bootstrap's seed (stats.bootstrap_interval)
+                 ) -> dict:
+    "Symmetric attribute binding on held-out items: which of the item's two attributes is the object's, and which object is the attribute's; each read's 95% interval resamples items."
     shared = set(fit.rows) & set(held.rows)
     if shared: raise ValueError(f"{len(shared)} items are both fit and read (e.g. {sorted(shared)[:3]}): binding is read on held-out items only")
-    out, per_row = {}, torch.zeros(len(held), dtype=torch.float64)
-    for d, name in (("object", "object_to_attribute"), ("attribute", "attribute_to_object")):
+    out, per_item = {}, {}
+    for d, name in zip(("object", "attribute"), DIRECTIONS):
         X, y, _, k = _binding_read(fit_states, fit, d)
         predict = _ridge(X, F.one_hot(y, k).double(), lam)
         X, y, other, _ = _binding_read(eval_states, held, d)
         s = predict(X)                                                            # [M, k] class scores
         right, wrong = s.gather(1, y[:, None]), s.gather(1, other[:, None])
-        hit = ((right > wrong).double() + 0.5 * (right == wrong).double()).view(len(held), 2)   # ties: half right; two objects a row
-        out[name], per_row = float(hit.mean()), per_row + hit.mean(1) / 2
+        hit = ((right > wrong).double() + 0.5 * (right == wrong).double()).view(len(held), 2)   # [2N, 2] ties: half right; two objects a row
+        out[name], per_item[name] = float(hit.mean()), hit.view(-1, 4).mean(1)   # [N] an item's four reads: rows 2i, 2i + 1 (its sides) x two objects
     out["binding"] = (out["object_to_attribute"] + out["attribute_to_object"]) / 2
-    n = 2 * len(held)                                                             # reads a direction: two objects a row
-    out["ci95"] = wilson95(out["binding"], 2 * n)                                 # the two directions pooled
-    return {**out, "chance": 0.5, "bar": bar, "n_read": n, "depth": held.depth, "verdict": "holds" if binding_holds(out, bar) else "fails",
-            "per_row": [round(float(v), 4) for v in per_row]}                    # each held-out row's binding (both directions): paired intervals
+    both = (per_item[DIRECTIONS[0]] + per_item[DIRECTIONS[1]]) / 2               # [N] an item's eight reads: one unit, never eight
+    iv = lambda v: bootstrap_interval(v.numpy(), groups=held.rows, seed=seed)     # the interval counts items (stats: reads of one item drawn together)
+    return {**out, "ci95": iv(both), "ci95_directions": {k: iv(per_item[k]) for k in DIRECTIONS}, "chance": 0.5, "bar": bar,
+            "n_read": 2 * len(held), "n_items": len(held.rows), "depth": held.depth, "verdict": "holds" if binding_holds(out, bar) else "fails",
+            "items": [list(r) for r in held.rows],                                # their identity: paired and band intervals check it
+            "per_item": {k: [round(float(v), 4) for v in per_item[k]] for k in DIRECTIONS}}   # each held-out item's read a direction
 
 def token_table(model) -> torch.Tensor:
     "The input token embeddings [V, D] of a CaptionEncoder, a model wrapping one, a transformers BERT, or a control."
@@ -282,16 +298,18 @@ def token_recoverability(fit_states: torch.Tensor, fit: Batch, # [B, L, D] state
     "The input token identified from its final state: a linear map fit on other sentences into the token table, then the nearest token."
     def real(states, b):
         m = b.attention_mask.bool() & ~torch.isin(b.input_ids, torch.tensor(special))
-        return states[m], b.input_ids[m]
-    X, ids = real(fit_states, fit); Xe, ide = real(eval_states, held)
+        return states[m], b.input_ids[m], m.nonzero()[:, 0]                       # the states, their tokens, and each one's sentence
+    (X, ids, _), (Xe, ide, sent) = real(fit_states, fit), real(eval_states, held)
     predict = _ridge(X, table[ids], lam)
     every = torch.arange(table.shape[0])
     cands = every[~torch.isin(every, torch.tensor(list(special)))] if vocabulary else torch.unique(torch.cat([ids, ide]))
     P, T = F.normalize(predict(Xe).float(), dim=-1), F.normalize(table[cands], dim=-1)
     best = torch.cat([(P[i:i + 512] @ T.T).argmax(1) for i in range(0, len(P), 512)])   # [M] nearest candidate, in chunks of [512, C]
-    acc = float((cands[best] == ide).float().mean())
-    return {"recoverability": acc, "chance": 1 / len(cands), "candidates": len(cands), "n_read": len(ide), "bar": bar, "vocabulary": vocabulary,
-            "verdict": "recoverable" if acc >= bar else "not recoverable"}
+    hit = (cands[best] == ide).double()
+    acc = float(hit.mean())
+    return {"recoverability": acc, "ci95": bootstrap_interval(hit.numpy(), groups=sent.numpy()),   # resampling sentences: a sentence's tokens travel together
+            "chance": 1 / len(cands), "candidates": len(cands), "n_read": len(ide), "n_sentences": int(sent.unique().numel()), "bar": bar,
+            "vocabulary": vocabulary, "verdict": "recoverable" if acc >= bar else "not recoverable"}
 
 def grid_rank(states: torch.Tensor, # [B, L, D]
               mask: torch.Tensor # [B, L] real tokens
@@ -361,6 +379,14 @@ def above_chance(read: float, # a binding read
     if reference <= chance: raise ValueError(f"the reference read {reference:.3f} is not above chance {chance}: a ratio of binding above chance is void")
     return (read - chance) / (reference - chance)
 
+def ratio_bars(reference: dict, # the reference read (band_read): both directions
+               ratio: float, # the share of the reference's level above chance a read must keep
+               chance: float = CHANCE) -> dict:
+    "The bar of each direction that keeps `ratio` of the reference's level in that direction above chance: {direction: chance + ratio * (reference - chance)}, read by binding_holds."
+    missing = [k for k in DIRECTIONS if k not in reference]
+    if missing: raise KeyError(f"the reference read lacks {missing}: a gate and an end are judged in both directions, never on their mean")
+    return {k: chance + ratio * (reference[k] - chance) for k in DIRECTIONS}
+
 @dataclasses.dataclass(frozen=True)
 class DepthPlan:
     "Where a spectrum reads: the shallow band (the reference), depths spread to the deepest every model can place, and the copied table's seams and just past them."
@@ -422,23 +448,31 @@ def read_spectrum(read: Callable, # batch -> states [B, L, D] (e.g. lambda b: re
         pf, ph = probe_set(tokenizer, fit_items, filler, d, capacity), probe_set(tokenizer, held_items, filler, d, capacity)
         sh = read(ph.batch)
         b = binding_probe(read(pf.batch), pf, sh, ph, bar)
-        rows.append({"depth": d, **{k: b[k] for k in ("object_to_attribute", "attribute_to_object", "binding", "ci95", "verdict", "n_read", "per_row")},
+        rows.append({"depth": d, **{k: b[k] for k in (*DIRECTIONS, "binding", "ci95", "ci95_directions", "verdict", "n_read", "n_items", "items", "per_item")},
                      "similarity": span_similarity(sh, ph, ref_states, ref), "similarity_floor": span_similarity(sh, ph, ref_states, ref, other=True),
                      "similarity_reference": reference_depth})
     return rows
 
 def band_read(rows: Sequence[dict], # a spectrum (read_spectrum)
               band: Sequence[int], # the shallow band's depths (DepthPlan.band)
-              bar: float = BINDING_BAR) -> dict:
-    "The reference read: each direction averaged over the shallow band's depths (several shallow reads, never one point). Its Wilson interval counts every depth's reads as independent (the same items at each depth), so it is narrower than the band's true interval."
+              bar: float = BINDING_BAR, seed: int = 0 # the item bootstrap's seed
+             ) -> dict:
+    "The reference read: each direction averaged over the shallow band's depths (several shallow reads, never one point); its 95% interval resamples items, each item's reads averaged over the band (the same items at every depth: one unit each)."
     if len(band) < MIN_BAND: raise GuardError(f"a shallow band of {len(band)} depth(s): the reference averages at least {MIN_BAND}, never one point")
     at = {r["depth"]: r for r in rows}
     missing = [d for d in band if d not in at]
     if missing: raise ValueError(f"the spectrum has no read at band depths {missing}: read the plan's depths (DepthPlan.depths)")
-    out = {k: float(np.mean([at[d][k] for d in band])) for k in ("object_to_attribute", "attribute_to_object")}
+    out = {k: float(np.mean([at[d][k] for d in band])) for k in DIRECTIONS}
     out["binding"] = (out["object_to_attribute"] + out["attribute_to_object"]) / 2
-    n = sum(at[d].get("n_read", 0) for d in band)
-    return {"depth": tuple(band), **out, "ci95": wilson95(out["binding"], 2 * n) if n else None, "n_read": n,
+    n, ci, ci_dirs, n_items = sum(at[d].get("n_read", 0) for d in band), None, None, None
+    if all("per_item" in at[d] for d in band):                                   # item-level reads: an interval over items
+        items = at[band[0]]["items"]
+        if any(at[d]["items"] != items for d in band):
+            raise ValueError(f"the band's depths {list(band)} were read on different items: a band averages the same items over its depths (one read_spectrum)")
+        per = {k: np.mean([at[d]["per_item"][k] for d in band], axis=0) for k in DIRECTIONS}   # [N] each item's read over the band
+        iv = lambda v: bootstrap_interval(v, groups=[tuple(i) for i in items], seed=seed)
+        ci, ci_dirs, n_items = iv((per[DIRECTIONS[0]] + per[DIRECTIONS[1]]) / 2), {k: iv(per[k]) for k in DIRECTIONS}, len(items)
+    return {"depth": tuple(band), **out, "ci95": ci, "ci95_directions": ci_dirs, "n_read": n, "n_items": n_items,
             "verdict": "holds" if binding_holds(out, bar) else "fails"}
 
 def similarity_kept(rows: Sequence[dict], # a spectrum (read_spectrum): similarity, its floor and its reference depth at every depth
@@ -457,9 +491,9 @@ def spectrum_ends(rows: Sequence[dict], # a spectrum (read_spectrum), shallowest
                   ratio: float = 0.8, # each ends where it keeps less than this share of its band level above its floor (chance; another item)
                   bar: float = BINDING_BAR # binding must hold in the reference (binding_holds) for it to end anywhere
                  ) -> dict:
-    "Where binding and similarity end, judged alike from the band's first depth on (each keeps < `ratio` of its band level above its floor); 'void' when the band holds no binding; refuses a spectrum without the semantic gauge or with too few depths."
+    "Where binding and similarity end, judged alike from the band's first depth on (binding: either direction keeps < `ratio` of its band level above chance, binding_holds against ratio_bars; similarity: < `ratio` above its floor); 'void' when the band holds no binding; refuses a spectrum without the semantic gauge or with too few depths."
     if len(rows) < MIN_DEPTHS: raise GuardError(f"a spectrum of {len(rows)} depths: a depth claim needs at least {MIN_DEPTHS} (the depth law)")
-    missing = [k for k in ("binding", "similarity", "similarity_floor") if any(k not in r for r in rows)]
+    missing = [k for k in ("binding", *DIRECTIONS, "similarity", "similarity_floor") if any(k not in r for r in rows)]
     if missing: raise GuardError(f"the spectrum lacks {missing}: a depth claim needs the semantic gauge (binding) beside similarity (and its floor)")
     start = reference["depth"][0]
     first = lambda ok: next((r["depth"] for r in rows if r["depth"] >= start and not ok(r)), None)   # no-context depths before the band: read, not judged
@@ -472,7 +506,8 @@ def spectrum_ends(rows: Sequence[dict], # a spectrum (read_spectrum), shallowest
            "similarity_kept": {d: round(v, 4) for d, v in kept.items()}}
     if not binding_holds(reference, bar):        # no binding to end: "ends at None" would read as "never ends"
         return {"binding_ends": "void", **out, "similarity_flatters": None}
-    b_end = first(lambda r: above_chance(r["binding"], reference["binding"]) >= ratio)
+    bars = ratio_bars(reference, ratio)                                           # each direction's share of the band: both must keep it
+    b_end = first(lambda r: binding_holds(r, bars))
     deeper = lambda e: float("inf") if e is None else e
     return {"binding_ends": b_end, **out, "similarity_flatters": deeper(s_end) > deeper(b_end)}
 
@@ -686,19 +721,22 @@ def standin_trunk(trained: int = 64, # positions 0..trained-1 keep MiniLM's lear
 def depth_gate(rows: Sequence[dict], # a spectrum (read_spectrum) of the engaged model
                through: int, # the deepest depth the gate covers (the deepest an item fits in the target length)
                reference: dict, # the STOCK trunk's shallow band read (band_read): the gate's reference, declared with it
-               ratio: float = 0.8, # declared before training: binding keeps >= ratio of the band's binding above chance at every measured depth
+               ratio: float = 0.8, # declared before training: EACH direction keeps >= ratio of the band's level in it above chance at every measured depth
                bar: float = BINDING_BAR, # the band must itself hold binding (binding_holds), or the gate could not fail
                chance: float = CHANCE) -> dict:
-    "The preregistered gate: (binding - chance) / (band - chance) >= `ratio` at every measured depth from the band's first through `through`, the band being the stock trunk's."
+    "The preregistered gate: at every measured depth from the band's first through `through`, binding holds (binding_holds) against ratio_bars: each direction keeps >= `ratio` of the stock band's level in that direction above chance."
     if rows[-1]["depth"] < through:
         raise GuardError(f"the spectrum reaches depth {rows[-1]['depth']} but the gate covers through {through}: measure to the target length")
-    shallow = reference["binding"]
-    needed = chance + ratio * (shallow - chance)                                  # the binding read that keeps `ratio` of the band above chance
     if "depth" in reference and (not isinstance(reference["depth"], (tuple, list)) or len(reference["depth"]) < MIN_BAND):
         raise ValueError(f"the gate's reference is read at depth {reference['depth']}: give the band's read (band_read) of at least {MIN_BAND} depths, never one point")
+    lacking = [r["depth"] for r in rows if any(k not in r for k in DIRECTIONS)]
+    if lacking: raise KeyError(f"the reads at depths {lacking[:5]} lack a direction: the gate judges both directions (binding_holds), never their mean")
+    shallow, needed = reference["binding"], ratio_bars(reference, ratio, chance)   # each direction's read that keeps `ratio` of its band above chance
     start = reference["depth"][0] if "depth" in reference else rows[0]["depth"]    # depths before the band (no context) are read, not gated
-    per = [{"depth": r["depth"], "binding": r["binding"], "ci95": r.get("ci95"), "needed": needed, "passed": r["binding"] >= needed,
-            "gated": r["depth"] >= start, "above_chance": above_chance(r["binding"], shallow, chance) if shallow > chance else None}
+    above = all(reference[k] > chance for k in DIRECTIONS)
+    kept = lambda r: min(above_chance(r[k], reference[k], chance) for k in DIRECTIONS) if above else None   # the weaker direction's share
+    per = [{"depth": r["depth"], "binding": r["binding"], **{k: r[k] for k in DIRECTIONS}, "ci95": r.get("ci95"), "ci95_directions": r.get("ci95_directions"),
+            "needed": needed, "passed": binding_holds(r, needed), "gated": r["depth"] >= start, "above_chance": kept(r)}
            for r in rows if r["depth"] <= through]
     if not binding_holds(reference, bar):
         return {"passed": False, "void": True, "verdict": f"void: the band read (binding {shallow:.3f}; object->attribute {reference['object_to_attribute']:.3f}, "
@@ -800,6 +838,13 @@ class DepthConfig(Presets):
                            warmup_steps=max(1, self.steps // 10), eval_every=self.eval_every, ckpt_every_steps=10**9,
                            log_every=10, max_tokens=self.length, best_metric="none")
 
+def study_seeds(seed: int = 0 # the study's seed (the Run's `seed` parameter)
+               ) -> dict:
+    "Every draw of a depth study from its one seed (seed 0: the first studies' draws): torch, the fit / held-out / training items' grammar seeds (101, 102, 103, then + 3 a seed), the two fillers, the sentences, the shuffle, the rank noise, the long rows and the arm's init; the trunks are not drawn."
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0: raise ValueError(f"a study seed is an int >= 0, got {seed!r}")
+    return {"torch": seed, "fit_items": 101 + 3 * seed, "held_items": 102 + 3 * seed, "train_items": 103 + 3 * seed,
+            "filler": 2 * seed, "filler_train": 2 * seed + 1, "sentences": seed, "shuffle": seed, "rank_noise": seed, "long_rows": seed, "arm": seed}
+
 def position_reach(lengths, # every corpus row's token length ([CLS] and [SEP] included)
                    rows # the rows a trunk trained on
                   ) -> dict:
@@ -813,14 +858,15 @@ def trained_range(run_dir, # a finished 05_train run: its config.json names its 
                   targets=None, # the targets folder it trained on; None: the one its config names, else consensus-<its alignment> beside the run or in runs/
                   tokenizer=None) -> dict:
     "The trunk's trained position range, measured on the rows it trained on (checked by their sha256 against its config), at its max_tokens: the longest row, so every position below it was trained on at least one row (the 99th percentile is returned beside it: positions past it saw under 1% of rows)."
-    from captionbert.consensus import load_targets
+    from captionbert.consensus import builds_of, load_targets
     from captionbert.core import sha256_bytes
     from captionbert.data import load_tokenizer, runs_dir, token_store
     from captionbert.train import TrainConfig, caption_source, run_rows
     run_dir = Path(run_dir); conf = json.loads((run_dir / "config.json").read_text())
     tc, corpus = TrainConfig(**conf["train"]), conf["corpus"]
-    label = f"consensus-{tc.alignment_config().label}"                          # where 05_train builds them ("auto")
-    cands = [Path(targets)] if targets else [Path(conf["targets"]), run_dir.parent / label, runs_dir(label)]   # beside the trunk, then this checkout
+    label = f"consensus-{tc.alignment_config().label}"                          # the alias 05_train builds them under ("auto")
+    roots = [Path(targets)] if targets else [Path(conf["targets"]), run_dir.parent / label, runs_dir() / label]   # beside the trunk, then this checkout
+    cands = list(dict.fromkeys(c for r in roots for c in (r, *builds_of(r, conf.get("frame")))))   # each, then the builds of the trunk's frame beside it
     tg = None
     for c in cands:   # only the captions are read from the targets (the rows are checked by sha256 below), so rebuilt targets of the same source serve
         if not (c / "targets.json").exists(): continue
@@ -896,13 +942,15 @@ def repair_arc(trunk: nn.Module, # the frozen trunk (a CaptionEncoder or a BERT-
                teacher: nn.Module, # the long-context teacher (its width sizes the training-only distillation map)
                read: Callable, # model -> its spectrum at the plan's depths (read_spectrum)
                gate: dict, # the declared gate (declare_gate): its reference read, ratio and depth
-               cfg: DepthConfig, long_rows: LongInputs, run_dir, corpus: dict, tokenizer, device=None, progress: bool = False) -> SimpleNamespace:
+               cfg: DepthConfig, long_rows: LongInputs, run_dir, corpus: dict, tokenizer, device=None, progress: bool = False,
+               seed: int = 0 # the arm's adapters' init (study_seeds()["arm"])
+              ) -> SimpleNamespace:
     "One trunk's arm after its gate is declared: copied positions only, then the trained arm read along its distillation, each disengage asserted bit-exact."
     reference, through, ratio = gate["reference_read"], gate["through"], gate["ratio"]
     copied = DepthModel(trunk, DepthArm(trunk, trained, length)).eval()
     assert_disengage_exact(copied, tokenizer)
     spectra = {"copied positions": read(copied)}
-    arm = DepthArm(trunk, trained, length, cfg.rank, distill_width=teacher.config.hidden_size, distill_init=cfg.distill_init, seed=0)
+    arm = DepthArm(trunk, trained, length, cfg.rank, distill_width=teacher.config.hidden_size, distill_init=cfg.distill_init, seed=seed)
     corpus = {**corpus, "distill_born": arm.distill_born}                      # the run's manifest says how the map was born
     armed, arc = DepthModel(trunk, arm), {0: spectra["copied positions"]}     # step 0: zero-born adapters add nothing, so the copied read is the arm's
     def along(model, step):
@@ -928,7 +976,7 @@ def repair_arc(trunk: nn.Module, # the frozen trunk (a CaptionEncoder or a BERT-
 def repair_split(spectra: dict, # "stock", "copied positions", "trained arm": spectra (read_spectrum) read at the same depths
                  band: Sequence[int], seams: Sequence[int] # the plan's shallow band and the copied table's seams (DepthPlan)
                 ) -> dict:
-    "What each part of the arm does to binding: the copy (zero parameters) over stock, the training over the copy, by depth and in mean by region."
+    "What each part of the arm does to binding: the copy (zero parameters) over stock, the training over the copy, by depth (and each direction) and in mean by region, with a paired interval over items (a difference, not a verdict: the gate judges each depth)."
     s, c, a = (spectra[k] for k in ("stock", "copied positions", "trained arm"))
     depths = [r["depth"] for r in s]
     if [r["depth"] for r in c] != depths or [r["depth"] for r in a] != depths:
@@ -936,22 +984,26 @@ def repair_split(spectra: dict, # "stock", "copied positions", "trained arm": sp
     region = lambda d: ("before the band" if d < min(band) else "band" if d in band else "seams" if d in seams   # before: no context, inside the range
                         else "inside the range" if d < max(band) else "past the band")   # between band depths the whole item is inside: nothing copied
     by = [{"depth": d, "region": region(d), "copy_over_stock": round(y["binding"] - x["binding"], 4),
-           "arm_over_copy": round(z["binding"] - y["binding"], 4), "arm_over_stock": round(z["binding"] - x["binding"], 4)}
+           "arm_over_copy": round(z["binding"] - y["binding"], 4), "arm_over_stock": round(z["binding"] - x["binding"], 4),
+           "directions": {k: {"copy_over_stock": round(y[k] - x[k], 4), "arm_over_copy": round(z[k] - y[k], 4)} for k in DIRECTIONS}}   # a mean hides one way
           for d, x, y, z in zip(depths, s, c, a)]
     mean = lambda k, r: (lambda v: round(float(np.mean(v)), 4) if v else None)([p[k] for p in by if p["region"] == r])
     regions = ("before the band", "band", "inside the range", "past the band", "seams")
     out = {"by_depth": by, "mean": {r: {k: mean(k, r) for k in ("copy_over_stock", "arm_over_copy", "arm_over_stock")} for r in regions}}
-    if all("per_row" in r for sp in (s, c, a) for r in sp):                     # paired over held-out rows: the same items in every model and depth
-        rng, ci = np.random.default_rng(0), {}
+    if all("per_item" in r for sp in (s, c, a) for r in sp):                    # paired over held-out items: the same items in every model and depth
+        items = s[0]["items"]
+        if any(r["items"] != items for sp in (s, c, a) for r in sp):
+            raise ValueError("the three spectra were read on different held-out items: a paired interval needs the same items in every model and depth")
+        binding = lambda r: (np.asarray(r["per_item"][DIRECTIONS[0]]) + np.asarray(r["per_item"][DIRECTIONS[1]])) / 2   # [N] an item's binding
+        ci = {}
         for r in regions:
             at = [i for i, d in enumerate(depths) if region(d) == r]
             if not at: continue
-            rows = lambda sp: np.mean([sp[i]["per_row"] for i in at], axis=0)  # each row's binding, averaged over the region's depths
+            per = lambda sp: np.mean([binding(sp[i]) for i in at], axis=0)   # [N] each item's binding, averaged over the region's depths
             for k, (x, y) in {"copy_over_stock": (s, c), "arm_over_copy": (c, a)}.items():
-                diff = (rows(y) - rows(x)).reshape(-1, 2).mean(1)             # an item's two sides (rows 2i, 2i + 1) resampled together
-                boot = diff[rng.integers(0, len(diff), (2000, len(diff)))].mean(1)
-                ci.setdefault(r, {})[k] = (round(float(np.quantile(boot, .025)), 4), round(float(np.quantile(boot, .975)), 4))
-        out["ci95"] = ci                                                           # a paired bootstrap over held-out items (2,000 draws)
+                p = paired_interval(per(y), per(x), groups=[tuple(i) for i in items])   # one draw of items for both models
+                ci.setdefault(r, {})[k] = tuple(round(v, 4) for v in p["ci95"])
+        out["ci95"] = ci                                                           # stats.paired_interval over held-out items (2,000 draws)
     return out
 
 def show_split(split: dict, label: str = ""):

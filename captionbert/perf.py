@@ -17,28 +17,30 @@ import torch.nn.functional as F
 
 from .core import autocast, pick_device, pick_precision, set_seed
 from .data import LengthBucketSampler, collate, default_captions, load_tokenizer, padding_report, tokenize
-from .encoder import CaptionEncoder, EncoderConfig, n_params
+from .encoder import CaptionEncoder, EncoderConfig, EncoderOutput, n_params
 from .teachers import mean_pool
-from .train import TrainConfig
+from .train import ConsensusLoss, TrainConfig, TrainStep
 
 # %% auto #0
-__all__ = ['PARAM_TOLERANCE', 'STEP', 'MATMUL_OPS', 'BertTwin', 'check_same_size', 'summarize', 'train_step_benchmark',
-           'pair_step_benchmark', 'routed_step_benchmark', 'profile_step', 'caption_batches', 'model_flops_per_step',
-           'main']
+__all__ = ['PARAM_TOLERANCE', 'STEP', 'MATMUL_OPS', 'BertTwin', 'check_same_size', 'step_loss', 'summarize',
+           'train_step_benchmark', 'pair_step_benchmark', 'routed_step_benchmark', 'profile_step', 'caption_batches',
+           'model_flops_per_step', 'main']
 
 # %% ../nbs/05a_perf.ipynb #adcdd9ae
 PARAM_TOLERANCE = 0.01  # the twin's parameter count may differ from the encoder's by at most this fraction of it
-STEP = "forward + contrastive loss + backward + clip_grad_norm_ + Adam step + zero_grad"   # one timed step
+STEP = ("train.TrainStep, the one loop's step: forward + ConsensusLoss + NaN guards + backward + clip_grad_norm_ + "
+        "Adam step (train.param_groups: lr_scales) + zero_grad + schedule step")   # one timed step
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear", "aten::mv", "aten::addmv")
 
 class BertTwin(nn.Module):
-    "transformers.BertModel (SDPA, no pooler) with CaptionEncoder's readout and head: mean pool -> Linear -> GELU -> Linear -> L2 normalize."
+    "transformers.BertModel (SDPA, no pooler) with CaptionEncoder's readout, head and output type: mean pool -> Linear -> GELU -> Linear -> L2 normalize."
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
         from transformers import BertConfig, BertModel
         bad = {k: getattr(cfg, k) for k, want in (("position", "learned"), ("ffn", "dense"), ("readout", "mean")) if getattr(cfg, k) != want}
         if bad: raise ValueError(f"BertTwin matches only the encoder with learned positions, a dense FFN and the mean readout; this config has {bad}. "
                                  "Benchmark that trunk, or give BertTwin the part first.")
+        self.config = cfg                                              # the EncoderConfig it mirrors (out_dim: the loss's targets)
         bc = BertConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
                         intermediate_size=cfg.ffn_hidden, max_position_embeddings=cfg.max_positions, hidden_dropout_prob=cfg.dropout,
                         attention_probs_dropout_prob=cfg.dropout, layer_norm_eps=cfg.layer_norm_eps, pad_token_id=cfg.pad_token_id,
@@ -51,9 +53,9 @@ class BertTwin(nn.Module):
             if isinstance(m, nn.Linear): nn.init.normal_(m.weight, std=cfg.init_std); nn.init.zeros_(m.bias)
     def forward(self, input_ids: torch.Tensor, # [B, L]
                 attention_mask: torch.Tensor # [B, L], 1 on real tokens
-               ) -> torch.Tensor:           # [B, O], L2-normalized
+               ) -> EncoderOutput:          # last_hidden_state [B, L, D], pooler_output [B, O] L2-normalized
         h = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state   # [B, L, D]
-        return F.normalize(self.head(mean_pool(h, attention_mask)).float(), dim=-1)
+        return EncoderOutput(last_hidden_state=h, pooler_output=F.normalize(self.head(mean_pool(h, attention_mask)).float(), dim=-1))
 
 def check_same_size(ours: nn.Module, # the CaptionEncoder
                     twin: nn.Module, # its reference
@@ -66,27 +68,24 @@ def check_same_size(ours: nn.Module, # the CaptionEncoder
                          "a speed ratio between models of different sizes measures the size. Build the twin with BertTwin(cfg).")
     return {"captionbert": a, "bert": b}
 
-def _sentence(model, b):
-    if isinstance(model, CaptionEncoder): return model(b.input_ids, b.attention_mask).pooler_output
-    return model(b.input_ids, b.attention_mask)
+def step_loss(models: dict, # name -> model (each with .config.out_dim: CaptionEncoder, BertTwin)
+              batches: Sequence, # the Batches timed (their row ids index the targets)
+              tc: TrainConfig, # temperature and MSE weight of the recipe
+              seed: int = 0) -> ConsensusLoss:
+    "The loss every timed step computes: the recipe's train.ConsensusLoss against a fixed random unit target for each row the batches name."
+    dims = {k: m.config.out_dim for k, m in models.items()}
+    if len(set(dims.values())) != 1:
+        raise ValueError(f"the timed models give vectors of different widths {dims}: one loss (one target a row) needs one out_dim; build them alike")
+    n = 1 + max(int(b.rows.max()) for b in batches)
+    targets = F.normalize(torch.randn(n, next(iter(dims.values())), generator=torch.Generator().manual_seed(seed)), dim=-1)   # [rows, O]
+    return ConsensusLoss(targets, tc.temperature, tc.mse_weight)
 
-def _trainer(model, device, precision, tc: TrainConfig):
-    "The training loop's optimizer and scaler for `model`: Adam at the recipe's lr and weight decay (fused on CUDA)."
-    opt = torch.optim.Adam(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, fused=device.type == "cuda")
-    return opt, torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-
-def _step(model, opt, scaler, b, device, precision, tc: TrainConfig) -> tuple[float, int]:
-    "Seconds of one full training step as the training loop takes it, and the real tokens it consumed."
-    if device.type == "cuda": torch.cuda.synchronize()
+def _step(model, step: TrainStep, loss_fn, b) -> tuple[float, int]:
+    "Seconds of one step of the one loop (the very call train.train makes), and the real tokens it consumed."
+    if step.device.type == "cuda": torch.cuda.synchronize()
     t0 = time.perf_counter()
-    with autocast(device, precision):
-        s = F.normalize(_sentence(model, b).float(), dim=-1)                     # the same contrastive loss for both models
-        loss = F.cross_entropy(s @ s.T / tc.temperature, torch.arange(len(s), device=s.device))
-    scaler.scale(loss).backward()
-    scaler.unscale_(opt)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-    scaler.step(opt); scaler.update(); opt.zero_grad(set_to_none=True)
-    if device.type == "cuda": torch.cuda.synchronize()
+    step(model, loss_fn, b, b, step.sched.last_epoch)
+    if step.device.type == "cuda": torch.cuda.synchronize()
     return time.perf_counter() - t0, int(b.attention_mask.sum())
 
 def _pair(cfg, device):
@@ -120,16 +119,17 @@ def summarize(steps: Sequence[dict], # the per-step record: {"rows", "captionber
 def _alternate(models: dict, # name -> model, in training mode on `device`
                batches: Sequence, device, precision, tc: TrainConfig, rounds: int, warmup: int) -> list[dict]:
     "The timing record: untimed warm-up steps, then every batch once a round, the models back to back, alternating who goes first."
-    trainers = {k: _trainer(m, device, precision, tc) for k, m in models.items()}
+    loss = step_loss(models, batches, tc)
+    trainers = {k: TrainStep(m, tc, device, precision) for k, m in models.items()}
     for k, m in models.items():
-        for b in batches[:warmup]: _step(m, *trainers[k], b, device, precision, tc)
+        for b in batches[:warmup]: _step(m, trainers[k], loss, b)
     names, steps = list(models), []
     for r in range(rounds):
         for i, b in enumerate(batches):
             order = names if (i + r) % 2 == 0 else names[::-1]              # alternate who goes first
             rec = {"round": r, "batch": i, "first": order[0], "rows": int(b.input_ids.shape[0]), "length": int(b.input_ids.shape[1])}
             for k in order:
-                s, tokens = _step(models[k], *trainers[k], b, device, precision, tc)
+                s, tokens = _step(models[k], trainers[k], loss, b)
                 rec[k] = {"s": round(s, 6), "tokens": tokens}
             steps.append(rec)
     return steps
@@ -139,7 +139,7 @@ def train_step_benchmark(cfg: EncoderConfig, # the architecture to measure
                          device=None, precision: str | None = None,
                          rounds: int = 3, # passes over the batches; each model alternates per batch
                          warmup: int = 2, # untimed steps per model first (they also allocate Adam's state)
-                         train_cfg: TrainConfig | None = None # lr, weight decay, grad clip, temperature (default: TrainConfig())
+                         train_cfg: TrainConfig | None = None # the recipe each model's TrainStep steps with (default: TrainConfig())
                         ) -> dict:
     "Full training-step throughput of CaptionEncoder and its BertTwin on the same batches, and their ratio."
     device = pick_device(device); precision = pick_precision(device, precision); tc = train_cfg or TrainConfig()
@@ -149,7 +149,8 @@ def train_step_benchmark(cfg: EncoderConfig, # the architecture to measure
     out = summarize(steps)
     for k in ("captionbert", "bert"): out[k] = {"params": params[k], **out[k]}
     real = sum(r["captionbert"]["tokens"] for r in steps); slots = sum(b.input_ids.numel() for b in batches) * rounds
-    out.update(step=STEP, optimizer={"name": "Adam", "lr": tc.lr, "weight_decay": tc.weight_decay, "grad_clip": tc.grad_clip, "fused": device.type == "cuda"},
+    out.update(step=STEP, optimizer={"name": "Adam", "lr": tc.lr, "lr_scales": [list(s) for s in tc.lr_scales], "weight_decay": tc.weight_decay, "grad_clip": tc.grad_clip,
+                                     "fused": device.type == "cuda"},
                param_ratio_bert_vs_captionbert=round(params["bert"] / params["captionbert"], 6),
                device=str(device), precision=precision, threads=torch.get_num_threads(), steps_timed=len(steps),
                real_tokens=real, padded_tokens=slots - real, steps=steps)
@@ -163,7 +164,7 @@ def pair_step_benchmark(model_a: nn.Module, # the model measured
                         device=None, precision: str | None = None,
                         rounds: int = 3, # passes over the batches; the models alternate per batch
                         warmup: int = 2, # untimed steps per model first (they also allocate Adam's state)
-                        train_cfg: TrainConfig | None = None # lr, weight decay, grad clip, temperature (default: TrainConfig())
+                        train_cfg: TrainConfig | None = None # the recipe each model's TrainStep steps with (default: TrainConfig())
                        ) -> dict:
     "Full training-step time of two models on the same batches, back to back, alternating who goes first: the record, throughputs, ratio a / b."
     a, b = names
@@ -208,13 +209,13 @@ def profile_step(cfg: EncoderConfig, # the architecture to measure
     from torch.profiler import ProfilerActivity, profile
     models, params = _pair(cfg, device)
     batches = [b.to(device) for b in batches]
-    out = {}
+    out, loss = {}, step_loss(models, batches, tc)
     for k, m in models.items():
-        opt, scaler = _trainer(m, device, precision, tc)
-        for b in batches[:warmup]: _step(m, opt, scaler, b, device, precision, tc)
+        st = TrainStep(m, tc, device, precision)
+        for b in batches[:warmup]: _step(m, st, loss, b)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             t0 = time.perf_counter()
-            for i in range(steps): _step(m, opt, scaler, batches[i % len(batches)], device, precision, tc)
+            for i in range(steps): _step(m, st, loss, batches[i % len(batches)])
             wall = 1000 * (time.perf_counter() - t0)
         ops = {e.key: e.self_cpu_time_total / 1000 for e in prof.key_averages() if e.self_cpu_time_total > 0}   # ms; self time: nested ops count once
         mm = {n: round(ops[n], 3) for n in MATMUL_OPS if n in ops}

@@ -22,7 +22,8 @@ from .gauges import query_set_report
 
 # %% auto #0
 __all__ = ['RETRIEVAL_TASKS', 'RETRIEVAL_TEST', 'RETRIEVAL_DEV', 'RETRIEVAL_METRICS', 'RETRIEVAL_MAIN', 'retrieval_metrics',
-           'retrieval_task', 'retrieval_rows', 'evaluate_retrieval', 'retrieval_table']
+           'retrieval_task', 'retrieval_rows', 'evaluate_retrieval', 'retrieval_table', 'harness_retrieval',
+           'floor_separates', 'permuted_labels', 'label_control']
 
 # %% ../nbs/02a_retrieval.ipynb #685557a2
 def retrieval_metrics(emb, # [N, D] embeddings (cosine similarity: rows are normalized here)
@@ -151,3 +152,29 @@ def retrieval_table(results: Sequence[dict]) -> str:
         cells = "".join(f"{r['metrics'].get(r['task'] + '/' + c, float('nan')):>8.4f}" for c in RETRIEVAL_METRICS)
         lines.append(f"{r['model']:<{w}}{r['task']:<18}{cells}{r['n_queries']:>9}{r['n_images']:>8}")
     return "\n".join(lines)
+
+def harness_retrieval(enc: Encoder) -> dict:
+    "The harness command's `--retrieval` (02_benchmark): Flickr8k retrieval on the test images (reported) and the dev images (the selection split), printed."
+    res = {"retrieval": evaluate_retrieval(enc, split="test", progress=False), "retrieval_dev": evaluate_retrieval(enc, split="dev", progress=False)}
+    print(retrieval_table([res["retrieval"], res["retrieval_dev"]]))
+    return res
+
+# %% ../nbs/02a_retrieval.ipynb #624b20fe
+def floor_separates(good: dict, floor: dict, # evaluate_retrieval(...) of the model and of the floor, on the same task
+                    margin: float = 0.1) -> bool:
+    "Whether the model's mAP beats the floor's by more than `margin` (the floor: a model that knows nothing of scenes)."
+    if good["task"] != floor["task"]: raise ValueError(f"floor: the model was scored on {good['task']!r}, the floor on {floor['task']!r}; score both on one task")
+    key = f"{good['task']}/map"
+    return good["metrics"][key] > floor["metrics"][key] + margin
+
+def permuted_labels(groups: Sequence, seed: int = 0) -> list:
+    "The group labels dealt to the rows in a seeded random order (the label control's labels)."
+    groups = list(groups)
+    return [groups[i] for i in np.random.default_rng(seed).permutation(len(groups))]
+
+def label_control(emb, # [N, D] the model's embeddings
+                  groups: Sequence, # their true group labels
+                  seed: int = 0, factor: float = 0.1) -> dict:
+    "The metric under permuted labels beside the real ones: {'control', 'real', 'separates'}; separates when the permuted mAP and R@1 are both under `factor` x the real ones."
+    ctl, real = retrieval_metrics(emb, permuted_labels(groups, seed)), retrieval_metrics(emb, groups)
+    return {"control": ctl, "real": real, "separates": ctl["map"] < factor * real["map"] and ctl["r@1"] < factor * real["r@1"]}

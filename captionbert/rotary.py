@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .benchmark import DEV_TASKS, TASK_NAMES
-from .core import GuardError, Presets, member_of
+from .core import GuardError, Presets, member_of, read_lines
 from .encoder import CaptionEncoder, EncoderConfig, n_params
 from .gauges import effective_rank, self_cosine
 
@@ -318,7 +318,7 @@ def long_captions(tokenizer, n: int, # how many
     if p is None or not Path(p).is_file():
         return [], (f"no long-caption file: set {LONG_CAPTIONS_VAR} to a text file of long captions, one a line "
                     "(the Stanford image paragraphs are what the development copy uses)")
-    lines = [l.strip() for l in Path(p).read_text().splitlines() if l.strip()]
+    lines = [l.strip() for l in read_lines(p, "long-caption file") if l.strip()]
     order = np.random.default_rng(seed).permutation(len(lines))
     out = []
     for i in order:

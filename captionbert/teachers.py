@@ -6,7 +6,7 @@ ONNX, GloVe word vectors), mean-pooled embedding, and sharded, resumable embeddi
 # %% ../nbs/01a_teachers.ipynb #da61c72f
 from __future__ import annotations
 
-import dataclasses, importlib, importlib.metadata, json, os, re, shutil, tempfile, time, types
+import dataclasses, functools, importlib, importlib.metadata, json, os, re, shutil, tempfile, time, types
 from pathlib import Path
 from typing import Sequence
 
@@ -17,7 +17,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .core import GuardError, stage_hash, atomic_path, atomic_write_json, autocast, folder_lock, pick_device, pick_precision, sha256_bytes, sha256_file
+from .core import (GuardError, stage_hash, atomic_path, atomic_write_json, autocast, folder_lock, pick_device, pick_precision,
+                              remove_temporaries, sha256_bytes, sha256_file, stale_temporaries)
 from .data import bundled_minilm_path, cache_dir, collate, load_tokenizer, open_captions, sorted_batches
 
 # %% auto #0
@@ -25,7 +26,8 @@ __all__ = ['HUB_TEACHERS', 'ROSTERS', 'TEACHERS_EXTRA', 'PARAPHRASE_DIST', 'PARA
            'STATIC_FAMILIES', 'TeacherSpec', 'offline_teachers', 'paraphrase_teachers', 'glove_teacher', 'roster',
            'reference_member', 'missing_extra', 'paraphrase_minilm_onnx', 'glove_root', 'onnx_bert_weights',
            'convert_onnx_bert', 'GloveTokenizer', 'WordVectors', 'load_glove', 'load_source', 'embed_stage_version',
-           'mean_pool', 'TeacherGroup', 'require_source', 'load_teachers', 'safetensors_memmap', 'EmbeddingStore',
+           'mean_pool', 'TeacherGroup', 'require_source', 'load_teachers', 'file_sha256', 'teacher_identity',
+           'teacher_identities', 'identity_changes', 'check_teachers', 'safetensors_memmap', 'EmbeddingStore',
            'dist_world', 'shard_rows', 'embed_corpus', 'merge_shards', 'embed_cache_key', 'embed_cached', 'main']
 
 # %% ../nbs/01a_teachers.ipynb #d79a4f64
@@ -38,13 +40,19 @@ class TeacherSpec:
     layer: int | None = None         # hidden_states index to mean-pool (0 = embeddings); None = last layer
     max_length: int = 512            # truncation, in the teacher's own tokens
     reference: bool = False          # the reference member whose frame the others are aligned into
+    revision: str | None = None      # a hub teacher's pinned commit (40 hex), sent to from_pretrained; None for a local folder or file
+    def __post_init__(self):
+        if self.revision is not None and not re.fullmatch(r"[0-9a-f]{40}", self.revision):
+            raise ValueError(f"teacher {self.name}: revision {self.revision!r} is not a 40-hex commit; a branch or tag moves, so a "
+                             f"cache keyed on it would not name the weights. Pin the commit (huggingface_hub.HfApi().model_info("
+                             f"{self.source!r}).sha gives the current one)")
 
-HUB_TEACHERS = (
-    TeacherSpec("bert-base", "bert-base-uncased", "bert", reference=True),
-    TeacherSpec("distilbert", "distilbert-base-uncased", "distilbert"),
-    TeacherSpec("roberta", "roberta-base", "roberta"),
-    TeacherSpec("albert", "albert-base-v2", "albert"),
-    TeacherSpec("modernbert", "answerdotai/ModernBERT-base", "modernbert"),
+HUB_TEACHERS = (   # commits of each repo's main branch, as found in public snapshot paths (not checkable offline: a wrong one fails at load)
+    TeacherSpec("bert-base", "bert-base-uncased", "bert", reference=True, revision="86b5e0934494bd15c9632b12f734a8a67f723594"),
+    TeacherSpec("distilbert", "distilbert-base-uncased", "distilbert", revision="12040accade4e8a0f71eabdb258fecc2e7e948be"),
+    TeacherSpec("roberta", "roberta-base", "roberta", revision="e2da8e2f811d1448a5b465c236feacd80ffbac7b"),
+    TeacherSpec("albert", "albert-base-v2", "albert", revision="8e2f239c5f8a2c0f253781ca60135db913e5c80c"),
+    TeacherSpec("modernbert", "answerdotai/ModernBERT-base", "modernbert", revision="8949b909ec900327062f0ebf497f51aef5e6f0c8"),
 )
 
 def offline_teachers(layers: Sequence[int] = (2, 3, 4, 5, 6), # MiniLM layers to mean-pool (1..6)
@@ -257,13 +265,14 @@ def load_glove(folder: str | Path # a folder with one .npy matrix [V, D] and one
 STATIC_FAMILIES = {"glove": load_glove}     # families read without transformers: family -> loader(source) -> (tokenizer, model)
 
 def load_source(source: str, # hub id, local folder, an .onnx BERT graph, or a static family's folder
-                family: str # a key of STATIC_FAMILIES, or any transformers family
+                family: str, # a key of STATIC_FAMILIES, or any transformers family
+                revision: str | None = None # a hub teacher's pinned commit (TeacherSpec.revision)
                ) -> tuple:
     "A teacher's tokenizer and model: static word vectors for a static family, else transformers' Auto classes (an .onnx graph is converted once)."
     if family in STATIC_FAMILIES: return STATIC_FAMILIES[family](source)
     from transformers import AutoModel, AutoTokenizer
     folder = str(convert_onnx_bert(source)) if str(source).endswith(".onnx") else source
-    return AutoTokenizer.from_pretrained(folder), AutoModel.from_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder, revision=revision), AutoModel.from_pretrained(folder, revision=revision)
 
 # %% ../nbs/01a_teachers.ipynb #7c801f78
 def embed_stage_version() -> str:
@@ -286,13 +295,14 @@ class TeacherGroup:
                  device: str | torch.device | None = None, # None picks CUDA when present
                  precision: str | None = None # fp32 / bf16 / fp16; None picks per device
                 ):
-        sources, families = {s.source for s in specs}, {s.family for s in specs}
+        sources, families, revisions = {s.source for s in specs}, {s.family for s in specs}, {s.revision for s in specs}
         if len(sources) != 1: raise ValueError(f"a TeacherGroup reads one source, got {sorted(sources)}")
         if len(families) != 1: raise ValueError(f"the views of {specs[0].source} name different families {sorted(families)}")
+        if len(revisions) != 1: raise ValueError(f"the views of {specs[0].source} name different revisions {sorted(map(str, revisions))}")
         self.specs, self.source = tuple(specs), specs[0].source
         self.device = pick_device(device) if not isinstance(device, torch.device) else device
         self.precision = pick_precision(self.device, precision)
-        self.tokenizer, model = load_source(self.source, specs[0].family)
+        self.tokenizer, model = load_source(self.source, specs[0].family, specs[0].revision)
         self.model = model.to(self.device).eval()
         self.max_length = max(s.max_length for s in specs)
         n_hidden = self.model.config.num_hidden_layers
@@ -341,6 +351,69 @@ def load_teachers(specs: Sequence[TeacherSpec], # a roster
     by_source: dict[str, list] = {}
     for s in specs: require_source(s); by_source.setdefault(s.source, []).append(s)
     return [TeacherGroup(v, device=device, precision=precision) for v in by_source.values()]
+
+# %% ../nbs/01a_teachers.ipynb #28a8c313
+@functools.lru_cache(maxsize=4096)
+def _sha256_at(path: str, size: int, mtime_ns: int, inode: int) -> str: return sha256_file(path)
+
+def file_sha256(path: str | Path # a file
+               ) -> str:
+    "The sha256 of a file's bytes, computed once per process for each (path, size, mtime, inode)."
+    p = Path(path).resolve(); st = p.stat()
+    return _sha256_at(str(p), st.st_size, st.st_mtime_ns, st.st_ino)
+
+def _identity_file(rel: Path) -> bool:
+    "Whether a file of a teacher's folder is part of what the teacher is (docs, hidden files and bytecode are not)."
+    return not (any(part.startswith(".") or part == "__pycache__" for part in rel.parts) or rel.suffix in (".md", ".pyc"))
+
+def teacher_identity(spec: TeacherSpec # a teacher
+                    ) -> str:
+    "What a teacher is: `sha256:<hex>` of its local folder's (or file's) bytes, or `hub:<id>@<commit>` for a hub teacher pinned by its revision."
+    p = Path(spec.source)
+    if p.exists():
+        if spec.revision is not None:
+            raise ValueError(f"teacher {spec.name}: revision {spec.revision[:12]} pins a hub commit, but its source {p} is a local path; "
+                             "drop the revision (a local teacher is named by the sha256 of its files)")
+        if p.is_file(): return "sha256:" + file_sha256(p)
+        files = sorted(f for f in p.rglob("*") if f.is_file() and _identity_file(f.relative_to(p)))
+        if not files: raise FileNotFoundError(f"teacher {spec.name}: its folder {p} holds no model files")
+        return "sha256:" + sha256_bytes(json.dumps([[f.relative_to(p).as_posix(), file_sha256(f)] for f in files]).encode())
+    require_source(spec)                 # an absolute path that is gone: the error names it (and the extra that ships it)
+    if spec.revision is None:
+        raise GuardError(f"the hub teacher {spec.name} ({spec.source}) names no revision, so nothing can name its weights: pin a commit, "
+                         f"TeacherSpec(..., revision='<40-hex commit>') (huggingface_hub.HfApi().model_info({spec.source!r}).sha gives "
+                         "the current one); no cache, store or target records an unpinned teacher")
+    return f"hub:{spec.source}@{spec.revision}"
+
+def teacher_identities(specs: Sequence[TeacherSpec] # a roster
+                      ) -> dict[str, str]:
+    "Each teacher's name -> its teacher_identity (views of one model share it)."
+    return {s.name: teacher_identity(s) for s in specs}
+
+def _short(identity: str | None) -> str:
+    "An identity shortened for a message: the first 16 hex of a sha256, a hub commit's first 12."
+    if identity is None: return "nothing"
+    kind, _, rest = identity.partition(":")
+    return f"sha256:{rest[:16]}" if kind == "sha256" else f"{identity.rsplit('@', 1)[0]}@{identity.rsplit('@', 1)[-1][:12]}"
+
+def identity_changes(recorded: dict | None, # name -> identity, as a store or targets recorded it (None: nothing recorded)
+                     current: dict # name -> identity now (teacher_identities)
+                    ) -> list[str]:
+    "Each teacher of `current` whose recorded identity differs, named with both identities."
+    if recorded is None: return [f"no weights identity is recorded (made by older code); the teachers now are "
+                                 f"{', '.join(f'{t} {_short(i)}' for t, i in current.items())}"]
+    return [f"teacher {t}: recorded {_short(recorded.get(t))}, now {_short(i)}" for t, i in current.items() if recorded.get(t) != i]
+
+def check_teachers(recorded: dict | None, # name -> identity recorded by a store or targets
+                   specs: Sequence[TeacherSpec], # the teachers they are checked against
+                   what: str, # what recorded them, for the message ("the embedding store /x")
+                   fix: str # what to do instead
+                  ) -> dict[str, str]:
+    "GuardError unless every teacher of `specs` is the one `what` recorded (same weights identity); returns the identities."
+    current = teacher_identities(specs)
+    changes = identity_changes(recorded, current)
+    if changes: raise GuardError(f"{what} was made by other teachers than the ones now at their sources: {'; '.join(changes)}. {fix}")
+    return current
 
 # %% ../nbs/01a_teachers.ipynb #7e2f7859
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64, "I32": np.int32}
@@ -448,13 +521,15 @@ def embed_corpus(source, # a caption source (TextFileCaptions, HubCaptions, Scen
         n_rows = _embed_shards(source, teachers, folder, shard_size, batch_size, limit, progress, rank, world)
     if world > 1: torch.distributed.barrier()                            # every rank's shards are written before the merge
     if rank == 0:
-        with folder_lock(folder): merge_shards(folder, n_rows)
+        with folder_lock(folder):            # every rank has written its shards: a temporary left now is a killed writer's
+            remove_temporaries(stale_temporaries(folder, recursive=True), folder)
+            merge_shards(folder, n_rows)
     if world > 1: torch.distributed.barrier()                            # the manifest exists before any rank reads it
     return EmbeddingStore(folder)
 
 # %% ../nbs/01a_teachers.ipynb #1c12ee69
 def _store_header(source, teachers, shard_size, limit) -> dict:
-    "What a store's content is: source, roster, layout, code version and numerics (equal across ranks and resumes)."
+    "What a store's content is: source, roster (with each teacher's weights identity), layout, code version and numerics (equal across ranks and resumes)."
     name = getattr(source, "name", "list"); fp = getattr(source, "fingerprint", None)
     if fp is None: fp = sha256_bytes("\n".join(source).encode())
     try: n = len(source)
@@ -462,8 +537,9 @@ def _store_header(source, teachers, shard_size, limit) -> dict:
     if n is not None and limit is not None: n = min(n, limit)
     dims = {}
     for g in teachers: dims.update(g.dims)
-    return {"source": name, "source_fingerprint": fp, "teachers": [dataclasses.asdict(s) for g in teachers for s in g.specs],
-            "dims": dims, "shard_size": shard_size, "limit": limit, "rows": n, "stage_version": embed_stage_version(),
+    specs = [s for g in teachers for s in g.specs]
+    return {"source": name, "source_fingerprint": fp, "teachers": [dataclasses.asdict(s) for s in specs],
+            "weights": teacher_identities(specs), "dims": dims, "shard_size": shard_size, "limit": limit, "rows": n, "stage_version": embed_stage_version(),
             "numerics": sorted({f"{torch.device(g.device).type}/{g.precision}" for g in teachers})}
 
 def _check_header(folder: Path, header: dict):
@@ -471,6 +547,9 @@ def _check_header(folder: Path, header: dict):
     p = folder / "header.json"
     if not p.exists(): atomic_write_json(p, header); return
     old = json.loads(p.read_text())
+    if old.get("weights") != header["weights"]:
+        raise GuardError(f"{folder} already holds embeddings of other teachers: " + "; ".join(identity_changes(old.get("weights"), header["weights"]))
+                         + "; use a new folder: the vectors of two teachers never mix in one store")
     for k in header:
         if old.get(k) != header[k]:
             raise GuardError(f"{folder} already holds embeddings with a different {k} ({old.get(k)!r} != {header[k]!r}); "
@@ -584,8 +663,9 @@ def embed_cache_key(source, # a caption source (its fingerprint names its conten
                     precision: str, # fp32 / bf16 / fp16
                     stage_version: str | None = None # the embedding code's version (None: embed_stage_version())
                    ) -> str:
-    "The cache key of a teacher-embedding store: a hash of everything that changes what the store holds."
+    "The cache key of a teacher-embedding store: a hash of everything that changes what the store holds (each teacher by its weights identity)."
     return sha256_bytes(json.dumps({"source": source.fingerprint, "teachers": [dataclasses.asdict(s) for s in specs],
+                                    "weights": teacher_identities(specs),
                                     "limit": limit, "shard_size": shard_size, "stage_version": stage_version or embed_stage_version(),
                                     "device": device, "precision": precision}, sort_keys=True).encode())[:16]
 
@@ -621,7 +701,8 @@ def main(argv: Sequence[str] | None = None):
     ap = argparse.ArgumentParser(prog="python -m captionbert.teachers",
                                  description="Teacher embedding of a caption corpus into sharded safetensors, across processes with torchrun.")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    e = sub.add_parser("embed", help="embed every row with every teacher, each process its share of the shards; then merge")
+    e = sub.add_parser("embed", help="embed every row with every teacher, each process its share of the shards; then merge "
+                       "(the rows an alignment preset needs are checked by `python -m captionbert.consensus tokens --preset P`: run it first)")
     e.add_argument("--source", required=True, help="synthetic[:N], hub:<dataset>[@<revision>]:<column>[:<split>], or a caption file")
     e.add_argument("--out", required=True, help="the store's folder (rerun the same command to resume)")
     e.add_argument("--roster", default="offline", help=f"a roster name: one of {', '.join(ROSTERS)}")

@@ -7,7 +7,7 @@ can be resumed, evaluated, exported and published."""
 # %% ../nbs/05_train.ipynb #02773ed8
 from __future__ import annotations
 
-import dataclasses, json, math, os, random, time
+import contextlib, dataclasses, json, math, os, random, time, warnings
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -18,19 +18,21 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .core import (GuardError, RunDir, atomic_path, atomic_write_bytes, autocast, emit_plan, pick_device, pick_precision,
-                              set_seed, to_jsonable)
+from .core import (GuardError, RunDir, atomic_path, atomic_write_bytes, autocast, emit_plan, fault_point, keep_run_locks,
+                              pick_device, pick_precision, set_seed, to_jsonable)
 from .data import Batch, LengthBucketSampler, TokenStore, collate, stratified_sample, token_store
 from .gauges import effective_rank, mimicry_r1, query_set_report, self_cosine
 
 # %% auto #0
-__all__ = ['TokenizedCorpus', 'RESUME_LOG', 'WHERE_KEYS', 'TrainConfig', 'summed_lr', 'lr_at', 'BatchPlan', 'param_groups',
-           'save_weights', 'latest_checkpoint', 'load_checkpoint', 'config_changes', 'config_defaults',
-           'check_resume_config', 'TrainResult', 'train', 'ConsensusLoss', 'frame_gap', 'frame_gap_floor',
-           'mimicry_line', 'ConsensusGauges', 'resolve_targets', 'caption_source', 'training_range', 'RunRows',
-           'run_rows', 'assert_same_rows', 'texts_of', 'resolve_train_config', 'resolve_encoder_config', 'with_extra',
-           'ConsensusRun', 'run_consensus_training', 'export_student', 'score_student', 'scoring_code',
-           'scoring_code_version', 'teacher_cache_key', 'score_teachers', 'train_memory_estimate', 'plan_run', 'main']
+__all__ = ['TokenizedCorpus', 'RESUME_LOG', 'WHERE_KEYS', 'DECLARED_KEYS', 'TrainConfig', 'summed_lr', 'lr_at', 'BatchPlan',
+           'param_groups', 'TrainStep', 'save_weights', 'latest_checkpoint', 'load_checkpoint', 'resume_checkpoint',
+           'set_aside_newer', 'NothingToTrain', 'config_changes', 'config_defaults', 'check_resume_config',
+           'TrainResult', 'train', 'ConsensusLoss', 'frame_gap', 'frame_gap_floor', 'mimicry_line', 'ConsensusGauges',
+           'resolve_targets', 'check_roster', 'declared_changes', 'run_targets', 'caption_source', 'training_range',
+           'RunRows', 'run_rows', 'assert_same_rows', 'texts_of', 'resolve_train_config', 'resolve_encoder_config',
+           'with_extra', 'ConsensusRun', 'run_consensus_training', 'export_run', 'run_card', 'export_student',
+           'export_current', 'score_student', 'scoring_code', 'scoring_code_version', 'teacher_cache_key',
+           'score_teachers', 'train_memory_estimate', 'plan_run', 'accepting_config', 'main']
 
 # %% ../nbs/05_train.ipynb #c11b275e
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +63,7 @@ class TrainConfig:
     best_metric: str = "gauge/target_cosine"
     train_rows: Optional[int] = None     # the leading corpus rows trained on (None = every row): v2 reads the first 82% of v2-B's corpus
     lr_scales: tuple = ()                # (parameter-name suffix, multiplier) pairs: those parameters train at lr × multiplier (a declared protocol)
+    accept_rows: Optional[int] = None    # the rows counted in the captions that this run accepts where they differ from the declared count (--accept-rows; consensus.check_corpus_rows)
 
     PRESETS = ("smoke", "cpu", "published", "v2", "v2b")   # what `preset` accepts: the size names, then the named recipes
     ALIASES = {"published": "v2"}                           # a size name -> the recipe it means here
@@ -77,9 +80,10 @@ class TrainConfig:
         if len({k for k, _ in scales}) != len(scales): raise ValueError(f"lr_scales names a suffix twice: {scales}")
         object.__setattr__(self, "lr_scales", scales)
     def alignment_config(self):
-        "The AlignmentConfig the targets of this run are built with: the alignment preset, on this run's roster."
+        "The AlignmentConfig the targets of this run are built with: the alignment preset, on this run's roster, accepting its accepted rows."
         from captionbert.alignment import AlignmentConfig
-        return AlignmentConfig.preset(self.alignment, roster=self.roster)
+        acfg = AlignmentConfig.preset(self.alignment, roster=self.roster)
+        return acfg if self.accept_rows is None else acfg.accepting(self.accept_rows)
     def label(self, recipe: str # the run's recipe (smoke, cpu, v2, ...)
              ) -> str:
         "The run's name before its seed: the recipe, with the roster appended where it is not the alignment preset's own."
@@ -110,9 +114,13 @@ class TrainConfig:
         "A named preset: smoke, cpu, published (= v2), v2 or v2b (keyword overrides allowed)."
         return getattr(cls, cls.canonical(name))(**kw)
 
-def summed_lr(cfg: TrainConfig) -> float:
-    "Σ lr over the whole schedule: about how far Adam can carry one scalar parameter (one lr a step, typically)."
-    return sum(lr_at(s, cfg) for s in range(cfg.max_steps))
+def summed_lr(cfg: TrainConfig,
+              power: int = 1 # 1: Σ lr; 2: Σ lr², the square of how far a random walk of one lr a step carries a parameter
+             ) -> float:
+    "Σ lr over the whole schedule: about how far Adam can carry one scalar parameter (one lr a step, typically); with power=2, Σ lr²."
+    if power not in (1, 2): raise ValueError(f"summed_lr: power {power!r}: 1 (Σ lr, directed travel) or 2 (Σ lr², a random walk's square)")
+    lrs = (lr_at(s, cfg) for s in range(cfg.max_steps))
+    return sum(lrs) if power == 1 else sum(x * x for x in lrs)
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     "Learning rate at `step`: linear warmup to cfg.lr, then cosine decay to cfg.min_lr at cfg.max_steps."
@@ -172,6 +180,45 @@ def param_groups(model: torch.nn.Module, # the model being trained
     groups = [{"params": list(rest.values()), "lr": cfg.lr, "name": "recipe"}] + scaled
     return [g for g in groups if g["params"]]
 
+class TrainStep:
+    "The one loop's step and the state it steps: forward and loss under autocast, the NaN guards, backward (scaler), clip, Adam on param_groups, zero_grad, the schedule."
+    def __init__(self, model: torch.nn.Module, # the model trained (bare or wrapped): its param_groups, from cfg.lr_scales, are Adam's
+                 cfg: TrainConfig, # lr, lr_scales, weight decay, grad clip, the warmup+cosine schedule (lr_at)
+                 device: torch.device, # where the step runs (Adam fused on CUDA)
+                 precision: str # fp32 / bf16 / fp16 (fp16: a gradient scaler)
+                ):
+        from captionbert.encoder import CaptionEncoder, check_binding_precision
+        for m in model.modules():                               # where a model meets the fp16 scaler: a binding encoder is refused (any wrapper)
+            if isinstance(m, CaptionEncoder): check_binding_precision(m.config, precision)
+        self.cfg, self.device, self.precision = cfg, device, precision
+        self.opt = torch.optim.Adam(param_groups(model, cfg), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda")
+        self.params = [p for g in self.opt.param_groups for p in g["params"]]   # every trained parameter, for clipping
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_at(s, cfg) / cfg.lr)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    def __call__(self, model, # the model the optimizer was built on, or its DDP wrapper
+                 loss_fn: Callable, # (model, batch, global_batch) -> (loss, metrics dict)
+                 batch: Batch, # this process's share of the global batch (moved to the step's device here)
+                 global_batch: Batch, # the whole batch of the step
+                 step: int # the global step (0-based): named by the guards and by the chaos test's fault point
+                ) -> tuple:
+        "One optimizer step: (loss, metrics, the forward's auxiliary losses {name: (weight, loss)}, the gradient norm before clipping)."
+        from captionbert.encoder import backward_aux
+        model.train()
+        with autocast(self.device, self.precision):
+            loss, metrics = loss_fn(model, batch.to(self.device), global_batch)
+        aux = backward_aux(model)                        # what the forward put into the backward besides `loss` (a binding option's pointer loss)
+        for name, (w, a) in aux.items():
+            if not torch.isfinite(a): raise FloatingPointError(
+                f"the {name} is {a.item()} at step {step} (in the gradient with weight {w}, through encoder._AddAux): the step stops before "
+                "its backward and optimizer step, so the weights are still finite; the run stops here (checkpoint at the last snapshot)")
+        if not torch.isfinite(loss): raise FloatingPointError(f"loss is {loss.item()} at step {step}; the run stops here (checkpoint at the last snapshot)")
+        self.scaler.scale(loss).backward()
+        fault_point("step", str(step + 1))              # the chaos test: killed mid-step (gradients taken, weights not yet stepped)
+        self.scaler.unscale_(self.opt)
+        gnorm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        self.scaler.step(self.opt); self.scaler.update(); self.opt.zero_grad(set_to_none=True); self.sched.step()
+        return loss, metrics, aux, gnorm
+
 def save_weights(model, path, run: RunDir, kind: str, metadata: dict | None = None) -> Path:
     "Model weights as safetensors, written atomically and recorded in the run's manifest (tied weights written once per name)."
     state, seen = {}, set()
@@ -193,6 +240,58 @@ def load_checkpoint(run: RunDir, path: Path) -> dict:
     run.verify(path)
     try: return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e: raise GuardError(f"{path} could not be read as a training checkpoint ({type(e).__name__}: {e})") from e
+
+def _step_of(name: str) -> int:
+    "The step of a training-state snapshot, from its name (state-<step>.pt)."
+    return int(Path(name).name.split("-")[1].split(".")[0])
+
+def _intact(run: RunDir, rel: str) -> bool:
+    try: run.verify(run.path / rel); return True
+    except (GuardError, FileNotFoundError): return False
+
+def resume_checkpoint(run: RunDir, # the run directory
+                      resume=True # True: the newest snapshot; False/None: none; a snapshot's path (relative to the run): that one
+                     ) -> Optional[Path]:
+    "The snapshot a call of `train` resumes from (nothing is changed: see set_aside_newer); a damaged newest is refused, naming the newest intact one and the steps resuming from it retrains."
+    if resume is None or resume is False: return None
+    snaps = sorted(k for k, v in run.manifest().items() if v["kind"] == "state")
+    if resume is True:
+        if not snaps: return None
+        try: return run.verify(run.path / snaps[-1])
+        except (GuardError, FileNotFoundError) as e:
+            intact = [s for s in reversed(snaps[:-1]) if _intact(run, s)]
+            if not intact:
+                raise GuardError(f"{e}. No earlier checkpoint of this run is intact: start a new run directory, or pass resume=False "
+                                 "(command line: --no-resume) to train this one again from step 0") from e
+            p, n = _step_of(intact[0]), _step_of(snaps[-1])
+            raise GuardError(f"{e}. The newest intact checkpoint is {intact[0]} (step {p}): resuming from it trains steps {p + 1}..{n} "
+                             f"again ({n - p} steps of the damaged one are lost). To do that, pass resume={intact[0]!r} "
+                             f"(command line: --resume-from {intact[0]}); or start a new run directory.") from e
+    want = Path(resume)
+    rel = str(want.resolve().relative_to(run.path.resolve())) if want.is_absolute() else str(want)
+    if rel not in snaps:
+        raise GuardError(f"resume={str(resume)!r} is not a training checkpoint of {run.path} (its checkpoints: {snaps or 'none'}): "
+                         "pass one of those, or resume=True for the newest")
+    return run.verify(run.path / rel)
+
+def set_aside_newer(run: RunDir, # the run directory
+                    ck_path: Path # the snapshot this call resumes from (resume_checkpoint)
+                   ) -> list[str]:
+    "Rename the snapshots newer than `ck_path` to `*.set-aside-<time>` and drop them from the manifest (the next resume must not pick them up); `train` calls it only once every resume check has passed."
+    snaps = sorted(k for k, v in run.manifest().items() if v["kind"] == "state")
+    rel = str(Path(ck_path).resolve().relative_to(run.path.resolve()))
+    newer = [s for s in snaps if _step_of(s) > _step_of(rel)]
+    for s in newer:                             # set aside, not deleted
+        if (run.path / s).exists(): (run.path / s).rename(run.path / f"{s}.set-aside-{time.strftime('%Y%m%dT%H%M%S')}")
+        run.forget(run.path / s)
+    if newer: warnings.warn(f"resuming from {rel} (step {_step_of(rel)}) as asked: the newer checkpoint(s) {newer} are set aside "
+                            f"(renamed *.set-aside-<time>); steps {_step_of(rel) + 1}..{_step_of(newer[-1])} are trained again")
+    return newer
+
+class NothingToTrain(GuardError):
+    "A resume found its checkpoint at (or past) max_steps: the run has no step left (LAWS.md law 16)."
+    def __init__(self, msg: str, run: RunDir, step: int, completed: bool):
+        super().__init__(msg); self.run, self.step, self.completed = run, step, completed
 
 RESUME_LOG = "resumes.jsonl"                                   # one line per resume of a run directory
 WHERE_KEYS = ("device", "world_size", "targets", "code_version")  # where a run happens: may change on resume (logged)
@@ -266,7 +365,7 @@ def train(model: torch.nn.Module, # the model (its parameters that require grad 
           corpus: dict, # identity of the training data (fingerprints, frame, rows): checked on resume
           evaluate_fn: Optional[Callable] = None, # (model, step) -> metrics dict, run every eval_every steps and at the end
           stop_at: Optional[int] = None, # stop (with a checkpoint) once this step is reached, as an interruption would
-          resume: bool = True, # continue from the latest checkpoint of `run`
+          resume=True, # continue from the newest checkpoint of `run`; or the path of the one to resume from (resume_checkpoint)
           device=None, progress: bool = True,
           config: Optional[dict] = None, # the run's whole resolved config (seed, model, ...); `cfg` is always its "train" entry
           allow_changes=() # config keys a resume may change ("max_steps", ...), or True for any; others raise GuardError
@@ -279,13 +378,18 @@ def train(model: torch.nn.Module, # the model (its parameters that require grad 
     for m in model.modules():                                   # where the model meets the fp16 scaler: a binding encoder is refused (any wrapper)
         if isinstance(m, CaptionEncoder): check_binding_precision(m.config, precision)
     run_config = to_jsonable({**(config or {}), "train": cfg})
+    with run.hold() if rank == 0 else contextlib.nullcontext():     # one process a run directory: a second is refused, naming the holder
+        return _train_held(model, batches, loss_fn, cfg, run, corpus, evaluate_fn, stop_at, resume, device, precision, progress,
+                           run_config, allow_changes, rank, world)
+
+def _train_held(model, batches, loss_fn, cfg, run, corpus, evaluate_fn, stop_at, resume, device, precision, progress, run_config,
+                allow_changes, rank, world) -> TrainResult:
+    "`train`'s body, run while this process holds the run directory."
     model.to(device)
-    opt = torch.optim.Adam(param_groups(model, cfg), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda")
-    params = [p for g in opt.param_groups for p in g["params"]]   # every trained parameter, for clipping
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, cfg) / cfg.lr)
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    stepper = TrainStep(model, cfg, device, precision)         # the step (perf times this same object)
+    opt, sched, scaler = stepper.opt, stepper.sched, stepper.scaler   # its state: restored on resume, saved in every checkpoint
     start, best = 0, None
-    ck_path = latest_checkpoint(run) if resume else None
+    ck_path = resume_checkpoint(run, resume)           # chosen, nothing changed: a refusal below leaves the run directory as it was
     if ck_path is not None:
         ck = load_checkpoint(run, ck_path)
         if ck["corpus"] != to_jsonable(corpus):
@@ -296,17 +400,27 @@ def train(model: torch.nn.Module, # the model (its parameters that require grad 
         old = ck.get("run_config") or {"train": ck["config"]}          # checkpoints before run_config carried the TrainConfig only
         changes = check_resume_config(old, run_config if "run_config" in ck else {"train": run_config["train"]}, allow_changes, str(ck_path))
         if ck["step"] >= cfg.max_steps:
-            raise GuardError(f"nothing left to train: {ck_path} is at step {ck['step']} of max_steps {cfg.max_steps}. An empty training "
-                             "range would reprint the old run's metrics as new (LAWS.md law 16); raise max_steps (with "
-                             "allow_changes={'max_steps'}) or start a new run directory.")
+            final = run.path / "checkpoints" / "final.safetensors"
+            if ck["completed"] and rank == 0 and not _intact(run, str(final.relative_to(run.path))):
+                set_aside_newer(run, ck_path)
+                _unwrap(model).load_state_dict(ck["model"])              # killed after its last checkpoint, before the final weights: write them
+                save_weights(model, final, run, "weights", {"step": ck["step"]})
+                print(f"{run.path}: the run was complete at {ck_path.name} but its final weights were missing or damaged: written from it")
+                return TrainResult(run, ck["step"], ck["step"], True, 0.0, ck.get("best"))
+            raise NothingToTrain(f"nothing left to train: {ck_path} is at step {ck['step']} of max_steps {cfg.max_steps}. An empty training "
+                                 "range would reprint the old run's metrics as new (LAWS.md law 16); raise max_steps (with "
+                                 "allow_changes={'max_steps'}) or start a new run directory.", run, ck["step"], bool(ck["completed"]))
+        if rank == 0: set_aside_newer(run, ck_path)      # every check passed: only now are the newer snapshots an explicit resume skips set aside
         _unwrap(model).load_state_dict(ck["model"]); opt.load_state_dict(ck["optimizer"]); sched.load_state_dict(ck["scheduler"])
         sched.base_lrs = [g["lr"] for g in param_groups(model, cfg)]   # this call's lr (an allowed change takes effect), not the saved one
         for g, b in zip(opt.param_groups, sched.base_lrs): g["initial_lr"], g["lr"] = b, b * sched.lr_lambdas[0](sched.last_epoch)
         scaler.load_state_dict(ck["scaler"]); _set_rng_state(ck["rng"]); start, best = ck["step"], ck.get("best")
         if rank == 0:
+            rewound = run.rewind_metrics(start)                  # the rows of steps past the checkpoint are trained (and logged) again
             log = run / RESUME_LOG
             entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "from_step": start, "checkpoint": str(ck_path.relative_to(run.path)),
-                     "changed": changes, "allowed": sorted(allow_changes) if isinstance(allow_changes, (set, frozenset, list, tuple)) else allow_changes}
+                     "changed": changes, "allowed": sorted(allow_changes) if isinstance(allow_changes, (set, frozenset, list, tuple)) else allow_changes,
+                     "metrics_set_aside": rewound["set_aside"], "metrics_unreadable": rewound["unreadable"], "set_aside_in": rewound["file"]}
             atomic_write_bytes(log, (log.read_bytes() if log.exists() else b"") + (json.dumps(to_jsonable(entry)) + "\n").encode())
     elif rank == 0:
         old_log = run / RunDir.METRICS
@@ -319,7 +433,8 @@ def train(model: torch.nn.Module, # the model (its parameters that require grad 
     writer = None
     if rank == 0:
         from torch.utils.tensorboard import SummaryWriter
-        writer = SummaryWriter(str(run.subdir("tensorboard")))
+        # purge_step: TensorBoard hides the events a killed process logged at or past the first step this one logs again
+        writer = SummaryWriter(str(run.subdir("tensorboard")), purge_step=start + 1 if ck_path is not None else 0)
     end = min(cfg.max_steps, stop_at) if stop_at is not None else cfg.max_steps
     t_start, t_ckpt = time.time(), time.time()
 
@@ -354,18 +469,12 @@ def train(model: torch.nn.Module, # the model (its parameters that require grad 
         B = gb.input_ids.shape[0]; share = B // world
         b = Batch(gb.input_ids[rank * share:(rank + 1) * share], gb.attention_mask[rank * share:(rank + 1) * share],
                   gb.rows[rank * share:(rank + 1) * share]) if world > 1 else gb
-        model.train()
-        with autocast(device, precision):
-            loss, metrics = loss_fn(model, b.to(device), gb)
-        if not torch.isfinite(loss): raise FloatingPointError(f"loss is {loss.item()} at step {step}; the run stops here (checkpoint at the last snapshot)")
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        scaler.step(opt); scaler.update(); opt.zero_grad(set_to_none=True); sched.step()
+        loss, metrics, aux, gnorm = stepper(model, loss_fn, b, gb, step)
         if rank == 0:
-            row = {"loss": float(loss.detach()), "lr": sched.get_last_lr()[0], "grad_norm": float(gnorm), "real_tokens": gb.real_tokens,
+            objective = float(loss.detach()) + sum(w * float(a.detach()) for w, a in aux.values())   # the loss the gradient is of
+            row = {"loss": objective, "lr": sched.get_last_lr()[0], "grad_norm": float(gnorm), "real_tokens": gb.real_tokens,
                    "padded_tokens": gb.padded_tokens, "rows": B, "step_seconds": round(time.time() - t0, 4),
-                   **{k: float(v) for k, v in metrics.items()}}
+                   **{k: float(v) for k, v in metrics.items()}, **{name: float(a.detach()) for name, (w, a) in aux.items()}}
             run.log(step + 1, **row)                           # the run directory's one writer of metrics.jsonl
             if (step + 1) % cfg.log_every == 0:
                 for k, v in row.items(): writer.add_scalar(f"train/{k}", v, step + 1)
@@ -470,18 +579,24 @@ class ConsensusGauges:
 def resolve_targets(spec: str, # "auto", "build", "hub:<dataset>", or a targets folder
                     cfg: TrainConfig, run_dir: Path, expect_frame: Optional[str] = None, device=None):
     "Consensus targets for a run, loaded (or built) and checked against the frame the run declares."
-    from captionbert.alignment import AlignmentConfig
     from captionbert.consensus import build_consensus, load_targets
     from captionbert.data import runs_dir
     acfg = cfg.alignment_config()
     if spec in ("auto", "build"):
-        folder = runs_dir(f"consensus-{acfg.label}") if spec == "auto" else Path(run_dir) / "targets"
-        build_consensus(acfg, folder, device=device)
-        tg = load_targets(folder, expect_frame=expect_frame)
+        folder = runs_dir() / f"consensus-{acfg.label}" if spec == "auto" else Path(run_dir) / "targets"
+        # the build made (or reused) for this call, not whatever the folder's alias names by now (another builder may have moved it)
+        tg = load_targets(build_consensus(acfg, folder, device=device).folder, expect_frame=expect_frame)
     elif spec.startswith("hub:"):
         from huggingface_hub import snapshot_download
         tg = load_targets(snapshot_download(spec[4:], repo_type="dataset"), expect_frame=expect_frame)
     else: tg = load_targets(spec, expect_frame=expect_frame)
+    return check_roster(tg, cfg)
+
+def check_roster(tg, # ConsensusTargets
+                 cfg: TrainConfig # the run's recipe (its roster)
+                ):
+    "GuardError unless the targets were built on the roster the run is named by; returns them."
+    acfg = cfg.alignment_config()
     built_on = tg.manifest["config"].get("roster")
     want = cfg.roster if cfg.roster is not None else acfg.roster     # a run is named by its roster: targets of another one would mislabel it
     if built_on != want and (cfg.roster is not None or built_on is not None):
@@ -490,6 +605,41 @@ def resolve_targets(spec: str, # "auto", "build", "hub:<dataset>", or a targets 
                          f"pass roster={built_on!r} to train on these targets (the run is named by it), or targets='auto' (or 'build') "
                          f"to build {want!r} targets")
     return tg
+
+DECLARED_KEYS = ("alignment", "roster")   # the TrainConfig fields that name a run's targets: another value is another set of targets
+
+def declared_changes(declared: dict, # a run directory's config.json
+                     cfg: TrainConfig # this call's recipe
+                    ) -> list[str]:
+    "What this call changes of what names the run's targets (DECLARED_KEYS), each as `train.<key>: old -> new`."
+    was = declared.get("train") or {}
+    return [f"train.{k}: {was[k]!r} -> {getattr(cfg, k)!r}" for k in DECLARED_KEYS if k in was and was[k] != getattr(cfg, k)]
+
+def run_targets(spec: str, # as for resolve_targets
+                cfg: TrainConfig, # this call's recipe
+                run: RunDir, # the run directory (held by this process)
+                declared: Optional[dict] = None, # its config.json, if it has one
+                device=None):
+    "A run's targets: in a run directory that declares its own, another roster or alignment is refused before anything is built, and `auto`/`build` read the targets it trained on (never rebuilt; gone, they are refused by name); else resolve_targets."
+    from captionbert.consensus import find_targets
+    if declared is None: return resolve_targets(spec, cfg, run.path, device=device)
+    changes = declared_changes(declared, cfg)
+    if changes:
+        raise GuardError(f"{run.path} holds a run of other targets than this call asks for: {'; '.join(changes)}. Nothing was built and "
+                         f"its targets ({declared.get('targets')}) are untouched: a run resumes on the targets it trained on (LAWS.md law 16). "
+                         "Pass another run directory (run_dir=, --run-dir) for these targets, or call it with the run's own settings")
+    corpus = declared.get("corpus") or {}
+    if spec in ("auto", "build") and corpus.get("targets_fingerprint") and declared.get("targets"):
+        tg = find_targets(declared["targets"], corpus["targets_fingerprint"], declared.get("frame"))
+        if tg is not None: return check_roster(tg, cfg)
+        # refused, not built: a build would re-point an alias other runs read (the shared runs/consensus-<label>), spend the
+        # teachers' time, and be resumable only if it came out the very same vectors, which the loop checks only afterwards
+        raise GuardError(f"{run.path} trained on the targets {declared['targets']} (fingerprint {corpus['targets_fingerprint'][:12]}, frame "
+                         f"{str(declared.get('frame'))[:12]}), and neither that folder, its alias nor a build beside it holds them now. "
+                         f"Nothing was built: targets={spec!r} would build (and re-point) the preset's alias, not find these. Restore that "
+                         "build, or pass a folder that holds these targets (targets=<folder>, --targets; a resume checks its fingerprint), "
+                         "or start a new run directory")
+    return resolve_targets(spec, cfg, run.path, expect_frame=declared.get("frame"), device=device)
 
 def caption_source(targets):
     "The caption source the targets were built from, reopened from their `captions` record (a hub source at its recorded commit)."
@@ -655,52 +805,85 @@ def run_consensus_training(seed: int = 0, # the run's seed
     run_path = Path(run_dir) if run_dir else runs_dir(f"05_train-{cfg.label(preset)}-seed{seed}")
     rank, world = _world()
     dev = pick_device(device) if not isinstance(device, torch.device) else device
-    declared = json.loads((run_path / "config.json").read_text())["frame"] if (run_path / "config.json").exists() else None
-    tg = resolve_targets(targets, cfg, run_path, expect_frame=declared, device=dev)
-    set_seed(seed)
-    source = caption_source(tg)
-    corpus = token_store(source, load_tokenizer(), cfg.max_tokens, progress=progress and rank == 0)   # memory-mapped, built once
-    assert_same_rows(corpus, tg)
-    rows = run_rows(cfg, len(corpus), seed, data_fraction, lengths=corpus.lengths)   # the plan's rows (plan_run), here with their ids
-    train_rows, eval_rows = rows.train, rows.eval
-    enc_cfg = resolve_encoder_config(cfg, tg.targets.dim, encoder_config)
-    set_seed(seed); model = CaptionEncoder(enc_cfg)
-    corpus_id = {"source_fingerprint": tg.source_fingerprint, "frame": tg.frame, "targets_fingerprint": tg.fingerprint, "train_rows": int(len(train_rows)), "data_fraction": data_fraction,
-                 "train_rows_sha256": sha256_bytes(train_rows.astype(np.int64).tobytes())}
     run = RunDir(run_path)
-    config = {"preset": preset, "seed": seed, "encoder": enc_cfg, "targets": str(tg.folder), "frame": tg.frame,
-              "corpus": corpus_id, "device": str(dev), "precision": pick_precision(dev, cfg.precision),
-              "params": n_params(model), "world_size": world, "code_version": code_version()}
-    plan = BatchPlan(corpus, train_rows, cfg.batch_size, seed=seed, pool=cfg.pool)
-    if progress and rank == 0:
-        print(f"[{preset}] student {model} ({enc_cfg.layers}x{enc_cfg.hidden}, out {enc_cfg.out_dim}); {len(train_rows)} training rows "
-              f"({plan.batches_per_epoch} batches of {cfg.batch_size} an epoch, {cfg.max_steps / plan.batches_per_epoch:.1f} epochs), "
-              f"{len(eval_rows)} held-out rows for the gauges; run directory {run.path}")
-    gauges = ConsensusGauges(corpus, tg.targets, eval_rows, texts_of(source, eval_rows))
-    result = train(model, plan, ConsensusLoss(tg.targets, cfg.temperature, cfg.mse_weight), cfg, run, corpus_id,
-                   gauges if evaluate_extra is None else with_extra(gauges, evaluate_extra), resume=resume, device=dev,
-                   progress=progress, config=config, allow_changes=allow_changes)
-    job = ConsensusRun(preset, seed, cfg, run, model, tg, corpus, train_rows, eval_rows, result, batches=plan)
-    if tasks and result.completed and rank == 0: job.student = score_student(job, tasks, sts_dir, device=dev)
-    return job
+    with run.hold() if rank == 0 else contextlib.nullcontext():   # held before the targets: a second process on this run builds nothing into it
+        declared = run.config if (run.path / RunDir.CONFIG).exists() else None
+        tg = run_targets(targets, cfg, run, declared, dev)           # a declared run's own targets; another roster is refused before any build
+        set_seed(seed)
+        source = caption_source(tg)
+        corpus = token_store(source, load_tokenizer(), cfg.max_tokens, progress=progress and rank == 0)   # memory-mapped, built once
+        assert_same_rows(corpus, tg)
+        rows = run_rows(cfg, len(corpus), seed, data_fraction, lengths=corpus.lengths)   # the plan's rows (plan_run), here with their ids
+        train_rows, eval_rows = rows.train, rows.eval
+        enc_cfg = resolve_encoder_config(cfg, tg.targets.dim, encoder_config)
+        set_seed(seed); model = CaptionEncoder(enc_cfg)
+        corpus_id = {"source_fingerprint": tg.source_fingerprint, "frame": tg.frame, "targets_fingerprint": tg.fingerprint, "train_rows": int(len(train_rows)), "data_fraction": data_fraction,
+                     "train_rows_sha256": sha256_bytes(train_rows.astype(np.int64).tobytes())}
+        config = {"preset": preset, "seed": seed, "encoder": enc_cfg, "targets": str(tg.folder), "frame": tg.frame,
+                  "corpus": corpus_id, "device": str(dev), "precision": pick_precision(dev, cfg.precision),
+                  "params": n_params(model), "world_size": world, "code_version": code_version()}
+        plan = BatchPlan(corpus, train_rows, cfg.batch_size, seed=seed, pool=cfg.pool)
+        if progress and rank == 0:
+            print(f"[{preset}] student {model} ({enc_cfg.layers}x{enc_cfg.hidden}, out {enc_cfg.out_dim}); {len(train_rows)} training rows "
+                  f"({plan.batches_per_epoch} batches of {cfg.batch_size} an epoch, {cfg.max_steps / plan.batches_per_epoch:.1f} epochs), "
+                  f"{len(eval_rows)} held-out rows for the gauges; run directory {run.path}")
+        gauges = ConsensusGauges(corpus, tg.targets, eval_rows, texts_of(source, eval_rows))
+        result = train(model, plan, ConsensusLoss(tg.targets, cfg.temperature, cfg.mse_weight), cfg, run, corpus_id,
+                       gauges if evaluate_extra is None else with_extra(gauges, evaluate_extra), resume=resume, device=dev,
+                       progress=progress, config=config, allow_changes=allow_changes)
+        job = ConsensusRun(preset, seed, cfg, run, model, tg, corpus, train_rows, eval_rows, result, batches=plan)
+        if tasks and result.completed and rank == 0: job.student = score_student(job, tasks, sts_dir, device=dev)
+        return job
 
 # %% ../nbs/05_train.ipynb #f4e26002
-def export_student(job: ConsensusRun) -> Path:
-    "The run's final weights as a Hugging Face folder, `<run>/export`."
+def export_run(run: RunDir, # a completed run
+               encoder_config=None # its EncoderConfig; None: the one its config.json records
+              ) -> Path:
+    "The run's final weights, checked against its manifest, as a Hugging Face folder `<run>/export`."
     from safetensors.torch import load_file
     from captionbert.data import load_tokenizer
-    from captionbert.encoder import CaptionEncoder
+    from captionbert.encoder import CaptionEncoder, EncoderConfig
     from captionbert.hf import export_pretrained
-    final = CaptionEncoder(_unwrap(job.model).config)
-    final.load_state_dict(load_file(str(job.run.path / "checkpoints" / "final.safetensors")))
-    return export_pretrained(final, load_tokenizer(), job.run.path / "export")
+    path = run.verify(run.path / "checkpoints" / "final.safetensors")
+    final = CaptionEncoder(encoder_config if encoder_config is not None else EncoderConfig(**run.config["encoder"]))
+    final.load_state_dict(load_file(str(path)))
+    return export_pretrained(final, load_tokenizer(), run.path / "export", card=run_card(run))
+
+def run_card(run: RunDir # a run directory
+            ) -> dict:
+    "The facts its model card states: recipe, preset, seed, teachers (with revisions when recorded), corpus spec and rows, commit."
+    c = run.config
+    facts = {"name": f"captionbert-{run.path.name}", "recipe": "consensus distillation (captionbert 05_train)", "preset": c.get("preset"),
+             "seed": c.get("seed"), "params": c.get("params"), "train_rows": (c.get("corpus") or {}).get("train_rows"), "commit": c.get("code_version")}
+    tj = Path(c["targets"]) / "targets.json" if c.get("targets") else None
+    if tj is not None and tj.exists():              # the targets' manifest: the roster and the corpus they were built from
+        m = json.loads(tj.read_text())
+        local = lambda s: f"local:{'/'.join(Path(s).parts[-2:])}" if os.path.isabs(str(s)) else s   # a card names no folder of this machine
+        facts["teachers"] = [{**{k: t.get(k) for k in ("name", "revision", "layer") if t.get(k) is not None}, "source": local(t.get("source"))}
+                             for t in m.get("teachers", [])]
+        facts["corpus"] = {"spec": m.get("source"), "rows": m.get("n_rows"), "fingerprint": m.get("source_fingerprint")}
+    return facts
+
+def export_student(job: ConsensusRun) -> Path:
+    "The run's final weights as a Hugging Face folder, `<run>/export`."
+    return export_run(job.run, _unwrap(job.model).config)
+
+def export_current(run: RunDir) -> bool:
+    "Whether `<run>/export` holds the run's final weights whole: its manifest (an export's last file) verifies, and model.safetensors equals final.safetensors."
+    from safetensors.torch import load_file
+    from captionbert.hf import verify_export
+    folder, final = run.path / "export", run.path / "checkpoints" / "final.safetensors"
+    try: verify_export(folder); mine, theirs = load_file(str(final)), load_file(str(folder / "model.safetensors"))
+    except (OSError, ValueError): return False                          # no manifest yet (a kill before the seal), or a file changed
+    return set(theirs) == {f"encoder.{k}" for k in mine} and all(torch.equal(v, theirs[f"encoder.{k}"]) for k, v in mine.items())
 
 def score_student(job: ConsensusRun, # a completed run
                   tasks: Sequence[str], # harness tasks
                   sts_dir=None, # STS folder (None: CAPTIONBERT_STS_DIR, the development copy, else the hub)
                   device=None) -> dict:
-    "Export the run's student and score it on the harness; without STS data, record the skip and why. Writes results/student.json."
-    from captionbert.benchmark import StudentEncoder, evaluate, sts_unavailable
+    "Export the run's student and score it on the harness (its scores into the model card too); without STS data, record the skip and why. Writes results/student.json."
+    from captionbert.benchmark import StudentEncoder, evaluate, hub_eval_results, sts_unavailable
+    from captionbert.hf import write_model_card
     from captionbert.core import code_version
     from captionbert.encoder import n_params
     folder = export_student(job)
@@ -709,6 +892,7 @@ def score_student(job: ConsensusRun, # a completed run
     why = sts_unavailable(list(tasks), sts_dir)
     if why is None:
         res = evaluate(StudentEncoder.from_folder(folder, name=name, device=device), list(tasks), sts_dir=sts_dir, seed=job.seed, extra=extra)
+        write_model_card(folder, run_card(job.run), hub_eval_results(res))   # the card's model-index: these scores
     else:
         res = {"model": name, "scores": {}, "mean": None, "tasks": list(tasks), "skipped": f"STS scoring skipped: {why}",
                "seed": job.seed, "code_version": code_version(), **extra}
@@ -722,7 +906,7 @@ def scoring_code() -> tuple:
     from captionbert.data import collate, sorted_batches
     return (T.load_teachers, T.TeacherGroup.__init__, T.TeacherGroup.encode, T.mean_pool, T.load_source, T.convert_onnx_bert,
             T.onnx_bert_weights, T.GloveTokenizer, T.WordVectors, T.load_glove, collate, sorted_batches, autocast,
-            B._prepare, B._embed, B._score, B.evaluate_views, G.spearman, G.rankdata, G.effective_rank, G.entropy_effective_rank,
+            B._prepare, B._embed, B._score, B.pair_spearman, B.evaluate_views, G.spearman, G.rankdata, G.effective_rank, G.entropy_effective_rank,
             G.self_cosine, G.simplex_cv)
 
 def scoring_code_version() -> str:
@@ -730,25 +914,20 @@ def scoring_code_version() -> str:
     from captionbert.core import stage_hash
     return stage_hash(*scoring_code(), libs=("torch", "transformers", "numpy"))
 
-def _source_identity(source: str) -> object:
-    "A local model folder named by its files (name, size, mtime); a hub id by itself."
-    p = Path(source)
-    if not p.is_dir(): return source
-    return [source] + sorted([str(f.relative_to(p)), f.stat().st_size, f.stat().st_mtime_ns] for f in p.rglob("*") if f.is_file())
-
 def teacher_cache_key(specs, # the roster (TeacherSpec)
                       tasks: Sequence[str], # harness tasks
                       sts_dir=None, # as for load_sts_task
                       device: str = "cpu", # device type the numbers come from
                       precision: str = "fp32" # fp32 / bf16 / fp16
                      ) -> str:
-    "The cache key of a roster's harness results: every task's data sha256, the specs, device, precision, scoring code."
+    "The cache key of a roster's harness results: every task's data sha256, the specs and their weights identity, device, precision, scoring code."
     from captionbert.benchmark import load_sts_task
     from captionbert.core import sha256_bytes
+    from captionbert.teachers import teacher_identities
     geo = "stsb" if "stsb" in tasks else "stsb_dev" if "stsb_dev" in tasks else "stsb"      # the harness's geometry sentences
     data = {t: load_sts_task(t, sts_dir).sha256 for t in dict.fromkeys([*tasks, geo])}
     return sha256_bytes(json.dumps({"tasks": list(tasks), "data": data, "teachers": [dataclasses.asdict(s) for s in specs],
-                                    "sources": [_source_identity(s.source) for s in specs], "device": device, "precision": precision,
+                                    "weights": teacher_identities(specs), "device": device, "precision": precision,
                                     "code": scoring_code_version()}, sort_keys=True).encode())[:16]
 
 def score_teachers(specs, # the roster (TeacherSpec), e.g. the one the targets were built from
@@ -798,7 +977,9 @@ def plan_run(preset: str = "auto", # as for run_consensus_training
     cfg = resolve_train_config(name, roster, max_steps, train_config)
     acfg = cfg.alignment_config()
     published = acfg.name == "published"
-    corpus_rows = acfg.limit if (published and acfg.limit) else len(acfg.caption_source(verbose=False))   # a local file: no network
+    from captionbert.consensus import corpus_plan
+    corpus = corpus_plan(acfg)            # counted (inspect's manifest, or a local source read here) or declared, and the row check's verdict
+    corpus_rows = corpus["rows"]
     split = run_rows(cfg, corpus_rows, seed, data_fraction)      # the run's own decision, counts only (no lengths without the corpus)
     rows = split.n_train
     width = acfg.REFERENCE_WIDTH[acfg.roster]
@@ -818,22 +999,32 @@ def plan_run(preset: str = "auto", # as for run_consensus_training
     embed = (f"torchrun --nproc-per-node {world_size} -m captionbert.teachers embed" if world_size > 1 or published else "python -m captionbert.teachers embed"
              ) + (f" --source {spec}" + (f" --limit {acfg.limit}" if acfg.limit else "") + f" --roster {acfg.roster} --out {embed_dir}"
                   f" --shard-size {acfg.shard_size} --batch-size {acfg.batch_size}")
-    return {"preset": name, "section": "05_train", "seed": seed, "rows": rows, "corpus_rows": corpus_rows, **split.describe(),
+    accept = f" --accept-rows {cfg.accept_rows}" if cfg.accept_rows is not None else ""
+    return {"preset": name, "section": "05_train", "seed": seed, "rows": rows, "corpus_rows": corpus_rows, "corpus": corpus, **split.describe(),
             "steps": cfg.max_steps, "batch_size": cfg.batch_size, "epochs": round(cfg.max_steps * cfg.batch_size / rows, 3),
             "warmup_steps": cfg.warmup_steps, "precision": precision, "device": device, "world_size": world_size,
             "maps": maps, "target_dim": width,
             "token_store_bytes_max": corpus_rows * (cfg.max_tokens * 2 + 8 + 2) + 8,     # uint16 ids at the ceiling, offsets, lengths
             "target_bytes": corpus_rows * (width * 4 + 8),                               # fp32 vectors and int64 row ids
             "gpu_memory_estimate": train_memory_estimate(enc, per_rank, cfg.max_tokens, precision),
-            "stages": [f"python -m captionbert.consensus tokens --preset {acfg.name}" + (f" --roster {cfg.roster}" if cfg.roster else ""),   # rows checked before any teacher runs
+            "stages": [f"python -m captionbert.consensus tokens --preset {acfg.name}" + (f" --roster {cfg.roster}" if cfg.roster else "") + accept,   # rows checked before any teacher runs
                        embed,                                      # the teacher pass: one process per GPU, a merged, verified store
                        f"papermill nbs/04_consensus.ipynb out/04_consensus.ipynb -p preset {acfg.name}" + (f" -p roster {cfg.roster}" if cfg.roster else "")
-                       + f" -p out_dir {targets_dir} -p embeddings {embed_dir}",
+                       + f" -p out_dir {targets_dir} -p embeddings {embed_dir}" + (f" -p accept_rows {cfg.accept_rows}" if accept else ""),
                        f"{launch} --preset {name} --seed {seed} --targets {targets_dir}" + (f" --roster {cfg.roster}" if cfg.roster else "")
-                       + (f" --max-steps {max_steps}" if max_steps else ""),
+                       + (f" --max-steps {max_steps}" if max_steps else "") + accept,
                        f"python -m captionbert.benchmark --model runs/05_train-{cfg.label(name)}-seed{seed}/export"]}
 
 # %% ../nbs/05_train.ipynb #8a73917d
+def accepting_config(preset: str, # as for run_consensus_training
+                     accept_rows: Optional[int] # the rows counted that the run accepts (the row check names them); None: none
+                    ) -> Optional[TrainConfig]:
+    "The preset's TrainConfig accepting `accept_rows` (a train_config for run_consensus_training and plan_run), or None when none is accepted."
+    from captionbert.core import resolve_preset
+    if accept_rows is None: return None
+    return TrainConfig.preset(TrainConfig.canonical(resolve_preset(preset, TrainConfig.PRESETS, published="v2", section="05_train")),
+                              accept_rows=accept_rows)
+
 def main(argv: Optional[Sequence[str]] = None):
     "Command-line entry point (torchrun-aware): train a student on consensus targets, export it, and optionally score it."
     import argparse
@@ -844,13 +1035,18 @@ def main(argv: Optional[Sequence[str]] = None):
     ap.add_argument("--roster", default=None, help="teacher roster (a name of teachers.ROSTERS); default: the preset's own")
     ap.add_argument("--max-steps", type=int, default=None); ap.add_argument("--device", default=None)
     ap.add_argument("--no-resume", action="store_true")
+    ap.add_argument("--resume-from", default=None, help="resume from this checkpoint of the run (e.g. checkpoints/state-00000020.pt), "
+                    "the intact one a damaged newest names; newer ones are set aside")
     ap.add_argument("--allow-changes", default="", help="comma-separated config keys a resume may change (e.g. max_steps)")
     ap.add_argument("--tasks", default="", help="score the export on these harness tasks when done: 'all' or a comma list")
     ap.add_argument("--dry-run", action="store_true", help="print the resolved plan as one JSON line and exit (no network, no GPU)")
     ap.add_argument("--world-size", type=int, default=None, help="with --dry-run: processes to plan for (default: $WORLD_SIZE or 1)")
+    ap.add_argument("--accept-rows", type=int, default=None, help="build and train on this many rows where the captions' declared count differs "
+                    "(the count the row check names); recorded in the run's config")
     a = ap.parse_args(argv)
+    tc = accepting_config(a.preset, a.accept_rows)
     if a.dry_run:
-        return emit_plan(plan_run(a.preset, a.seed, a.roster, a.max_steps, a.world_size or int(os.environ.get("WORLD_SIZE", "1"))))
+        return emit_plan(plan_run(a.preset, a.seed, a.roster, a.max_steps, a.world_size or int(os.environ.get("WORLD_SIZE", "1")), train_config=tc))
     device = a.device
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         cuda = torch.cuda.is_available()
@@ -858,11 +1054,20 @@ def main(argv: Optional[Sequence[str]] = None):
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0))); device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     tasks = list(TASK_NAMES) if a.tasks == "all" else [t for t in a.tasks.split(",") if t]
-    r = run_consensus_training(a.seed, a.preset, a.run_dir, a.targets, a.max_steps, device, resume=not a.no_resume,
-                               allow_changes={k for k in a.allow_changes.split(",") if k}, tasks=tasks or None, roster=a.roster)
-    if _world()[0] == 0 and r.result.completed:
-        folder = export_student(r) if not tasks else r.run.path / "export"
-        print(f"{r.result}\nexported to {folder}\nrun directory: {r.run.path}")
+    if a.resume_from and a.no_resume: ap.error("--resume-from and --no-resume contradict each other: pass one")
+    with keep_run_locks():                        # the run directory stays this process's from training through the export
+        try:
+            r = run_consensus_training(a.seed, a.preset, a.run_dir, a.targets, a.max_steps, device, resume=a.resume_from or not a.no_resume,
+                                       allow_changes={k for k in a.allow_changes.split(",") if k}, tasks=tasks or None, roster=a.roster,
+                                       train_config=tc)
+        except NothingToTrain as e:               # rerun of a complete run: finish an export a kill cut short, else the law's refusal
+            if not e.completed or _world()[0] != 0 or export_current(e.run): raise
+            print(f"{e.run.path} was already complete, but its export was missing or unfinished: exported again to {export_run(e.run)}")
+            if dist.is_initialized(): dist.destroy_process_group()
+            return None
+        if _world()[0] == 0 and r.result.completed:
+            folder = export_student(r) if not tasks else r.run.path / "export"
+            print(f"{r.result}\nexported to {folder}\nrun directory: {r.run.path}")
     if dist.is_initialized(): dist.destroy_process_group()
     return r
 

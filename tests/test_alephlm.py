@@ -27,16 +27,19 @@ def test_anchored_step_command(capsys):
 def test_export_whose_config_names_another_arm_is_refused():
     "An a1 export whose config.json was edited to say softmax (a4) does not load: the weights carry their arm."
     from captionbert.data import load_tokenizer
-    from captionbert.hf import export_pretrained, load_pretrained
+    from captionbert.hf import export_pretrained, load_pretrained, seal_export
     torch.manual_seed(0)
     a1 = CaptionEncoder(EncoderConfig.tiny(ffn="anchored", readout="cls"))
     folder = export_pretrained(a1, load_tokenizer(), Path(tempfile.mkdtemp()) / "a1")
     assert torch.equal(load_pretrained(folder).blocks[0].ffn.anchors_birth, a1.blocks[0].ffn.anchors_birth)
     cfg = json.loads((folder / "config.json").read_text()); cfg["encoder"]["router"] = "softmax"
     (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="config.json has sha256"):       # the manifest refuses the edit; sealed after it, the weights do
+        load_pretrained(folder)
+    seal_export(folder)
     with pytest.raises(ValueError, match="router 'sinh', anchors learned, but this one has router 'softmax'"):
         load_pretrained(folder)
-    cfg["encoder"].update(router="sinh", ffn="dense"); (folder / "config.json").write_text(json.dumps(cfg))
+    cfg["encoder"].update(router="sinh", ffn="dense"); (folder / "config.json").write_text(json.dumps(cfg)); seal_export(folder)
     with pytest.raises(ValueError, match="this encoder's FFN is 'dense'"):
         load_pretrained(folder)
 

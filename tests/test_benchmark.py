@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -164,3 +165,94 @@ def test_command_line_retrieval(tmp_path):
     assert test["task"] != dev["task"] and test["task"] in p.stdout and dev["task"] in p.stdout
     r1 = test["metrics"][f"{test['task']}/r@1"]
     assert r1 > 0.5, f"MiniLM should rank a scene's other captions first far above chance (4/29): R@1 {r1}"   # a wrong relevance set fails
+
+
+# ---- the command line on bad input (issue 24.8): refused with the file named, before any scoring; modes follow the umask
+PAIRS = [("a man plays guitar", "a person plays a guitar"), ("a dog runs", "a cat sleeps"), ("kids swim", "children are swimming"),
+         ("the sky is blue", "a red car drives"), ("a woman cooks", "a lady is cooking food"), ("rain falls", "the sun shines")]
+
+
+@pytest.fixture(scope="module")
+def tiny_cli(tmp_path_factory):
+    "A tiny random-weight export and STS folders written here (any clone): good scores, one gold score for all, a latin-1 byte."
+    import torch
+    from captionbert.data import load_tokenizer
+    from captionbert.encoder import CaptionEncoder, EncoderConfig
+    from captionbert.hf import export_pretrained
+    root = tmp_path_factory.mktemp("cli")
+    torch.manual_seed(0)
+    model = export_pretrained(CaptionEncoder(EncoderConfig.tiny()).eval(), load_tokenizer(), root / "model")
+    for name, score in (("good", lambda i: f"{(i * 7) % 6 * 0.9:.1f}"), ("const", lambda i: "2.5")):
+        (root / name).mkdir()
+        (root / name / "stsb.tsv").write_text("sentence1\tsentence2\tscore\n" + "".join(f"{a}\t{b}\t{score(i)}\n" for i, (a, b) in enumerate(PAIRS)))
+    (root / "latin1").mkdir()
+    (root / "latin1" / "stsb.tsv").write_bytes((root / "good" / "stsb.tsv").read_bytes().replace(b"kids swim", b"caf\xe9 kids", 1))
+    return root, model
+
+
+def _cli(*args, umask=None):
+    return subprocess.run([sys.executable, "-m", "captionbert.benchmark", "--tasks", "stsb", *map(str, args)], capture_output=True, text=True,
+                          timeout=600, preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
+
+
+def test_constant_score_file_is_refused(tiny_cli):
+    "Before: exit 0 and \"stsb\": \"nan\" in the results. Now: refused, naming the file, and no results file."
+    root, model = tiny_cli
+    p = _cli("--model", model, "--sts-dir", root / "const", "--out", root / "const.json")
+    assert p.returncode != 0 and f"{root / 'const' / 'stsb.tsv'}: all 6 pairs have the gold score 2.5" in p.stderr, p.stderr[-2000:]
+    assert not (root / "const.json").exists()
+    ok = _cli("--model", model, "--sts-dir", root / "good")                # the control: the same model on varied scores is scored
+    assert ok.returncode == 0 and "nan" not in ok.stdout, ok.stderr[-2000:]
+
+
+def test_compare_against_a_nan_results_file(tiny_cli):
+    "Before: a traceback from the table (Unknown format code 'f' for 'str') after scoring. Now: refused by name before scoring."
+    root, model = tiny_cli
+    good = root / "good.json"
+    assert _cli("--model", model, "--sts-dir", root / "good", "--out", good).returncode == 0
+    old = json.loads(good.read_text()); old["scores"]["stsb"] = old["mean"] = "nan"      # what the harness wrote for a constant file
+    (root / "old.json").write_text(json.dumps(old))
+    p = _cli("--model", model, "--sts-dir", root / "good", "--compare", root / "old.json")
+    assert p.returncode != 0 and f"{root / 'old.json'}: the scores {{'stsb': 'nan', 'mean': 'nan'}} are not numbers" in p.stderr, p.stderr[-2000:]
+    assert "embedding for" not in p.stderr                              # refused before the model embedded anything
+    assert _cli("--model", model, "--sts-dir", root / "good", "--compare", good).returncode == 0   # a numeric file compares
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "a_folder", "read_only"])
+def test_unwritable_out_is_refused_before_scoring(tiny_cli, where):
+    "Before: the scores were computed, then the write failed (the work lost). Now: refused before the first sentence is embedded."
+    root, model = tiny_cli
+    (root / "a_file").write_text("")
+    (root / "ro").mkdir(mode=0o555, exist_ok=True)
+    # permission bits do not bind root (CI runs as root): there the read-only folder is sysfs, which refuses file creation to root too
+    ro = root / "ro" if os.geteuid() != 0 else Path("/sys")
+    out = {"under_a_file": root / "a_file" / "r.json", "a_folder": root / "good", "read_only": ro / "r.json"}[where]
+    p = _cli("--model", model, "--sts-dir", root / "good", "--out", out)
+    want = {"under_a_file": "a_file is a file, not a folder", "a_folder": "is a folder, not a file", "read_only": "cannot be written"}[where]
+    assert p.returncode != 0 and f"--out {out}" in p.stderr and want in p.stderr, p.stderr[-2000:]
+    assert "embedding for" not in p.stderr
+
+
+def test_non_utf8_byte_names_file_and_line(tiny_cli):
+    "Before: a bare UnicodeDecodeError (position 107). Now: the file, line 4 and column of the byte."
+    root, model = tiny_cli
+    p = _cli("--model", model, "--sts-dir", root / "latin1")
+    assert p.returncode != 0 and f"{root / 'latin1' / 'stsb.tsv'}:4: byte 0xe9 at column 4 is not UTF-8" in p.stderr, p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_artifacts_follow_the_umask(tiny_cli, tmp_path, umask):
+    "Before: every results file and export file was 0600 (mkstemp's mode). Now: 0666 less the umask, like any new file."
+    root, model = tiny_cli
+    out = tmp_path / "r.json"
+    assert _cli("--model", model, "--sts-dir", root / "good", "--out", out, umask=umask).returncode == 0
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask
+    import torch
+    from captionbert.data import load_tokenizer
+    from captionbert.encoder import CaptionEncoder, EncoderConfig
+    from captionbert.hf import export_pretrained
+    old = os.umask(umask)
+    try: folder = export_pretrained(CaptionEncoder(EncoderConfig.tiny()).eval(), load_tokenizer(), tmp_path / "export")
+    finally: os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in folder.iterdir()}
+    assert set(modes.values()) == {0o666 & ~umask}, modes

@@ -5,7 +5,7 @@ import torch
 from captionbert.core import GuardError
 from captionbert.depth import (BagOfWords, DepthConfig, above_chance, band_read, binding_holds, binding_items, binding_probe, copied_positions,
                                copied_rows, depth_gate, model_capacity, place, position_reach, probe_set, seam_positions, spectrum_depths,
-                               spectrum_ends, trained_range, wilson95)
+                               spectrum_ends, trained_range)
 
 
 class _Tok:
@@ -75,9 +75,39 @@ def test_the_gate_is_taken_of_the_stock_shallow_read():
     assert g["void"] is False and g["shallow"] == 0.95 and not g["passed"]
 
 
-def test_wilson_interval():
-    lo, hi = wilson95(0.5, 100)
-    assert abs(lo - 0.4038) < 1e-3 and abs(hi - 0.5962) < 1e-3
+def test_the_gate_judges_both_directions_not_their_mean():
+    "Issue 23's planted case: band .9 / .9, every read object->attribute 1.0, attribute->object .66; the mean .83 clears the needed .82, so a gate on the mean passes (the old depth_gate did), while binding_holds says it does not hold one way."
+    band = {"depth": (2, 12), "object_to_attribute": .9, "attribute_to_object": .9, "binding": .9}
+    for o2a, a2o in ((1.0, .66), (.66, 1.0)):
+        rows = _spectrum(o2a, a2o)
+        g = depth_gate(rows, rows[-1]["depth"], band)
+        assert rows[0]["binding"] >= .5 + .8 * (.9 - .5)                                    # the mean would pass
+        assert not binding_holds(rows[0], g["needed"]) and not binding_holds(rows[0])
+        assert g["passed"] is False and not g["void"] and not any(p["passed"] for p in g["depths"]), g
+        assert spectrum_ends(rows, band)["binding_ends"] == 2                               # binding ends at the band's first depth, not "never"
+    assert depth_gate(_spectrum(.9, .85), 72, band)["passed"] is True                      # both directions above their bars
+
+
+def test_every_interval_counts_items():
+    "Items whose eight reads agree (half bound, half crossed): the interval is the items', ~2.8x a Wilson interval over reads. Catches wilson95(binding, 2 * n)."
+    from captionbert.stats import wilson95
+    tok, filler = _Tok(), [7] * 40
+    fit, held = binding_items(30, seed=5), binding_items(24, seed=6)
+    pf, ph = probe_set(tok, fit, filler, 4, 64), probe_set(tok, held, filler, 4, 64)
+    def planted(ps, crossed_from):
+        s = torch.randn(len(ps), ps.batch.input_ids.shape[1], 48, generator=torch.Generator().manual_seed(len(ps))) * .3
+        for r in range(len(ps)):
+            k = int(r >= crossed_from)
+            for o in range(2):
+                s[r, ps.noun_pos[r, o], int(ps.attr[r, o ^ k])] += 3; s[r, ps.attr_pos[r, o], 20 + int(ps.noun[r, o ^ k])] += 3
+        return s
+    r = binding_probe(planted(pf, len(pf)), pf, planted(ph, len(ph) // 2), ph)
+    (lo, hi), (wlo, whi) = r["ci95"], wilson95(.5, 8 * 24)
+    assert r["binding"] == .5 and lo < .5 < hi and (hi - lo) > 2.2 * (whi - wlo), (r["ci95"], (wlo, whi))
+    assert r["n_items"] == 24
+    rows = [{"depth": d, **{k: r[k] for k in ("binding", "object_to_attribute", "attribute_to_object", "items", "per_item", "n_read")}} for d in (4, 9)]
+    ref = band_read(rows, [4, 9])
+    assert ref["n_items"] == 24 and ref["ci95"] == pytest.approx(r["ci95"])                # the same items at two depths: still 24 units
 
 
 def test_published_trunk_is_the_v2_run_checked_against_the_plan(tmp_path):
@@ -129,10 +159,10 @@ def test_the_reference_is_a_shallow_band_inside_the_trained_range():
 
 def test_the_gate_compares_binding_above_chance():
     band = {"object_to_attribute": .8, "attribute_to_object": .8, "binding": .8}
-    rows = [{"depth": d, "binding": b} for d, b in ((1, .8), (50, .66), (100, .75))]
+    rows = [{"depth": d, "binding": b, "object_to_attribute": b, "attribute_to_object": b} for d, b in ((1, .8), (50, .66), (100, .75))]
     g = depth_gate(rows, 100, band)
     assert [p["passed"] for p in g["depths"]] == [True, False, True]          # .66 / .8 = .83 would pass a raw 0.8 ratio; above chance it keeps .53
-    assert g["depths"][1]["above_chance"] == pytest.approx(.16 / .3) and g["needed"] == pytest.approx(.74)
+    assert g["depths"][1]["above_chance"] == pytest.approx(.16 / .3) and g["needed"] == pytest.approx({"object_to_attribute": .74, "attribute_to_object": .74})
     assert above_chance(.5, .9) == 0.0
     with pytest.raises(ValueError, match="not above chance"): above_chance(.6, .5)
 

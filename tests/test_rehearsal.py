@@ -1,5 +1,6 @@
 """The scale rehearsal, small: `python -m captionbert.rehearsal` runs every published stage and prints one JSON object."""
 import json
+import os
 import pytest
 from pathlib import Path
 import subprocess
@@ -33,9 +34,12 @@ def test_rehearsal_command_small(tmp_path):
     with safe_open(str(out / "targets" / "targets" / "shard-00003.safetensors"), "pt") as f:
         assert f.get_tensor("row_ids").tolist() == list(range(480, 640))
     run = json.loads((out / "run" / "config.json").read_text())
-    assert run["targets"] == str(out / "targets") and run["corpus"]["train_rows"] == res["train_rows"] == 640 - 80   # 05's run_rows
+    assert run["targets"] == str(out / os.readlink(out / "targets"))       # the build the alias names: the run records the build itself
+    assert run["corpus"]["train_rows"] == res["train_rows"] == 640 - 80   # 05's run_rows
     steps = [json.loads(l) for l in (out / "run" / "metrics.jsonl").read_text().splitlines() if '"step"' in l]
     assert res["completed"] and max(s["step"] for s in steps) == 4
-    # a RAM budget that can be missed: the 50k and 200k rehearsals peaked at 1,288 MB; a loader that held every row's
-    # tokens, vectors and targets at once, or a leak per stage, shows up above it long before published size
-    assert 0 < res["peak_rss_anon_mb"] < 3000, res["peak_rss_anon_mb_by_stage"]
+    # No RAM budget is judged here: at 640 rows a loader that held every row would hold ~6 MB, inside the stages' own
+    # run-to-run spread (embed peaked at 524 and 507 MB on two runs at 640 rows), so a cap could not fail on it. The
+    # readers' budgets are judged where they can be: tests/test_scale.py reads 200k rows per store and plants loaders that
+    # hold every row, which trip the same budgets (test_the_budgets_trip_on_loaders_that_hold_every_row).
+    assert all(v > 0 for v in res["peak_rss_anon_mb_by_stage"].values()), res["peak_rss_anon_mb_by_stage"]

@@ -1,6 +1,6 @@
-"""The relay study's declared protocols, offline and fast: the published corpus spec (WikiText-103's config), the gate
-budget at every size, the verdicts against declared bands (both ways), the map's citability bars, and the weights hash
-that the toggle check reads."""
+"""The relay study's declared protocols, offline and fast: the published corpus spec (WikiText-103's config) and its
+held-out splits, held-out whole documents offline, the gate budget at every size, the verdicts against declared bands
+(the control's planted passing input), the map's citability bars, and the weights hash that the toggle check reads."""
 import copy
 
 import numpy as np
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from captionbert.core import GuardError
-from captionbert.data import open_captions
-from captionbert.relay import (LMShape, RelayConfig, RelayModel, check_teacher_ahead, gate_travel_needed, map_verdict,
-                               paired_verdict, placement_reading, weights_fingerprint)
+from captionbert.data import FlickrImages, open_captions
+from captionbert.relay import (LMShape, RelayConfig, RelayModel, check_teacher_ahead, document_ids, gate_travel_needed, heldout_split,
+                               map_verdict, placement_reading, relay_verdict, weights_fingerprint)
 
 
 def test_published_corpus_spec_names_wikitext_103():
@@ -31,13 +31,80 @@ def test_gate_budget_reaches_a_tenfold_change(size):
     assert placement_reading(plain.gate_reach(), need).startswith("untested")      # every size's recipe alone falls short
 
 
-def test_paired_verdict_both_ways():
+def test_relay_control_passes_on_its_planted_input():
+    """The relay control's planted passing input: per-row reads on which the plain-MLP control's relays are better on every gauge
+    (10% less NLL, 20% less KL, cloze right 90% vs 70%), read through `relay_verdict`, the verdict the Run section prints, with
+    the rows grouped into documents as the Run groups them. The control must read 'control better' on each: a verdict that can
+    only crown aleph, or that reads perplexity and KL the wrong way up (higher is better), fails here. The same reads swapped
+    crown aleph, and a model against itself is a tie, so the verdict is no constant."""
     rng = np.random.default_rng(1)
     n = rng.integers(5, 15, 300); nll = rng.gamma(4.0, 0.75, 300) * n
-    assert paired_verdict((0.9 * nll, n), (nll, n), "perplexity")["verdict"] == "aleph better"
-    assert paired_verdict((nll, n), (0.9 * nll, n), "perplexity")["verdict"] == "control better"
-    assert paired_verdict((nll, n), (nll, n), "kl_to_teacher")["verdict"] == "tie"
-    with pytest.raises(ValueError, match="unknown gauge"): paired_verdict((nll, n), (nll, n), "bleu")
+    right_good, right_bad, ones = (rng.random(300) < 0.9).astype(float), (rng.random(300) < 0.7).astype(float), np.ones(300)
+    docs = np.repeat(np.arange(100), 3)                                               # three rows a document, as held-out articles
+    control_better = {"perplexity": ((nll, n), (0.9 * nll, n)), "kl_to_teacher": ((nll, n), (0.8 * nll, n)),
+                      "cloze": ((right_bad, ones), (right_good, ones))}                 # (aleph's reads, the control's reads)
+    for gauge, (aleph, control) in control_better.items():
+        assert relay_verdict(aleph, control, gauge, groups=docs)["verdict"] == "control better", gauge
+        assert relay_verdict(control, aleph, gauge, groups=docs)["verdict"] == "aleph better", gauge
+        assert relay_verdict(control, control, gauge, groups=docs)["verdict"] == "tie", gauge
+    with pytest.raises(ValueError, match="unknown gauge"): relay_verdict((nll, n), (nll, n), "bleu")
+
+
+WIKI = [" = Alpha = ", " a1 ", " = = History = = ", " a2 ", " = Beta = ", " b1 ", " b2 ", " b3 ", " = Gamma = ", " g1 "]
+
+
+def test_heldout_split_holds_out_whole_articles():
+    """A planted WikiText on which the old split (the final `heldout` rows, texts[-4:]) puts article Beta on both sides:
+    heldout_split holds Beta out whole. Catches the old split and any split by row count that ignores documents (a section
+    heading ' = = History = = ' read as a new article would also show here)."""
+    docs, unit = document_ids(WIKI)
+    assert unit == "article" and docs.tolist() == [1, 1, 1, 1, 2, 2, 2, 2, 3, 3]
+    old_train, old_held = np.arange(len(WIKI) - 4), np.arange(len(WIKI) - 4, len(WIKI))
+    assert set(docs[old_train]) & set(docs[old_held]) == {2}                            # the planted input: the old split straddles Beta
+    train, held = heldout_split(docs, 4)
+    assert not set(docs[train]) & set(docs[held])
+    assert held.tolist() == list(range(4, 10)) and train.tolist() == list(range(4))
+    with pytest.raises(ValueError, match="cannot hold out"): heldout_split(docs, 9)     # every document held out: nothing to train on
+
+
+def test_heldout_split_holds_out_whole_flickr_images():
+    """Flickr8k offline (the relay's CPU substrate): a caption's document is its image. Three images of five captions, 7 rows to
+    hold out: the old split (the final 7 rows) cuts image b in two; heldout_split holds out b and c whole."""
+    images = [im for im in ("a.jpg", "b.jpg", "c.jpg") for _ in range(5)]
+    caps = [f"{im[0]} caption {j}" for im in ("a.jpg", "b.jpg", "c.jpg") for j in range(5)]
+    table = FlickrImages(images, ["train"] * 15, caps, origin="planted")
+    docs, unit = document_ids(caps, images=table)
+    assert unit == "image" and docs.tolist() == images
+    assert set(docs[:-7]) & set(docs[-7:]) == {"b.jpg"}                                  # the old split straddles image b
+    train, held = heldout_split(docs, 7)
+    assert set(docs[held]) == {"b.jpg", "c.jpg"} and set(docs[train]) == {"a.jpg"}
+    assert document_ids(caps + ["a caption no image has"], images=table)[1] == "row"   # rows the table lacks: each its own document
+
+
+def test_heldout_split_never_shares_a_document_at_random():
+    """Random documents (lengths 1-9, possibly interleaved) and random held-out sizes: no document id is on both sides, at
+    least `heldout` rows are held out, and no fewer whole documents would do (the split is the smallest that suffices)."""
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        docs = np.repeat(np.arange(30), rng.integers(1, 10, 30))
+        if trial % 2: docs = docs[rng.permutation(len(docs))]                             # interleaved rows of documents
+        h = int(rng.integers(1, len(docs) // 2))
+        train, held = heldout_split(docs, h)
+        assert not set(docs[train].tolist()) & set(docs[held].tolist())
+        assert len(held) >= h and sorted(np.r_[train, held].tolist()) == list(range(len(docs)))
+        first = min(docs[held].tolist(), key=lambda d: np.flatnonzero(docs == d)[0])     # the earliest held-out document
+        assert len(held) - int((docs == first).sum()) < h                                   # without it, too few rows
+
+
+def test_published_heldout_is_wikitext_validation_and_test():
+    """At published size the held-out text is WikiText-103's validation and test splits, never its train split: a config whose
+    held-out spec reads the split trained on, or that names none, is refused."""
+    pub = RelayConfig.preset("published")
+    held = [open_captions(s, resolver=lambda name, rev: "0" * 40) for s in pub.heldout_hub]   # offline: no hub call
+    assert [(h.hub_name, h.config, h.split) for h in held] == [("Salesforce/wikitext", "wikitext-103-raw-v1", s) for s in ("validation", "test")]
+    with pytest.raises(ValueError, match="reads the split the study trains on"):
+        RelayConfig.preset("published", heldout_hub=("hub:Salesforce/wikitext#wikitext-103-raw-v1:text",))   # split omitted: train
+    with pytest.raises(ValueError, match="needs heldout_hub"): RelayConfig.preset("published", heldout_hub=())
 
 
 def test_map_not_citable_below_its_bars():

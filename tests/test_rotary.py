@@ -43,7 +43,7 @@ def rotary_export(tmp_path_factory):
 
 def test_verifier_passes_the_export_and_fails_a_perturbed_one(rotary_export, tmp_path):
     from safetensors.torch import load_file, save_file
-    from captionbert.hf import SERVING_CASES, SERVING_REPORT, verify_serving
+    from captionbert.hf import SERVING_CASES, SERVING_REPORT, seal_export, verify_serving
     model, folder = rotary_export
     cases = [c for c in SERVING_CASES if c[2] <= 64]                    # the short cases: the long ones run in 01c and 11
     good = verify_serving(model, folder, cases=cases)
@@ -51,17 +51,21 @@ def test_verifier_passes_the_export_and_fails_a_perturbed_one(rotary_export, tmp
     broken = tmp_path / "perturbed"; shutil.copytree(folder, broken)
     w = load_file(str(broken / "model.safetensors")); w["encoder.final_norm.weight"] += 0.1
     save_file(w, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    seal_export(broken)                                                 # a wrong export sealed as written: the verifier's case, not the manifest's
     bad = verify_serving(model, broken, cases=cases)
     assert not bad.passed and all(c["token_max_diff"] > 1e-2 for c in bad.cases)
     assert json.loads((broken / SERVING_REPORT).read_text())["passed"] is False
 
 
 def test_rotary_export_loaded_as_learned_is_refused(rotary_export, tmp_path):
-    from captionbert.hf import load_pretrained
+    from captionbert.hf import load_pretrained, seal_export
     model, folder = rotary_export
     other = tmp_path / "edited"; shutil.copytree(folder, other)
     cfg = json.loads((other / "config.json").read_text()); cfg["encoder"]["position"] = "learned"
     (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="config.json has sha256"):       # the manifest refuses the edit first ...
+        load_pretrained(other)
+    seal_export(other)                                                  # ... and sealed after it, the weights' own check does
     with pytest.raises(ValueError, match="weights are of a rotary-position encoder, but this encoder's positions are learned"):
         load_pretrained(other)
     import sys
@@ -70,7 +74,7 @@ def test_rotary_export_loaded_as_learned_is_refused(rotary_export, tmp_path):
     with mock.patch.dict(sys.modules, {"captionbert": None}), \
          pytest.raises(ValueError, match=r"do not fit its config.json \(positions 'learned'.*missing_keys.*position"):
         AutoModel.from_pretrained(str(other), trust_remote_code=True)   # transformers alone loads it with a warning
-    cfg["encoder"].update(position="rotary", rope_scale=1.0); (other / "config.json").write_text(json.dumps(cfg))
+    cfg["encoder"].update(position="rotary", rope_scale=1.0); (other / "config.json").write_text(json.dumps(cfg)); seal_export(other)
     with pytest.raises(ValueError, match=r"rotary \(base, scale\) = \(10000.0, 4.0\)"):
         load_pretrained(other)
 

@@ -41,32 +41,71 @@ def _read_all(get, n, batch=2048, seed=0, base=None):
     return peak
 
 
-def test_token_store_reads_200k_rows_without_growing_anonymous_memory(tmp_path):
+TOKEN_BUDGET, TARGET_BUDGET = 0.25, 0.1   # the RssAnon growth a reader may show, as a share of the bytes it reads
+
+
+def _token_growth(tmp_path, open_store=TokenStore.open):
+    "RssAnon growth (MB) while reading every row of a 200k-row token store in random batches, and the store's bytes (MB)."
     n = 200_000
-    TokenStore.build((f"caption {i}" for i in range(n)), _Words(), tmp_path / "tokens", chunk=20_000, progress=False)
+    if not (tmp_path / "tokens").exists():
+        TokenStore.build((f"caption {i}" for i in range(n)), _Words(), tmp_path / "tokens", chunk=20_000, progress=False)
     gc.collect(); base = rss_anon_mb()                             # before opening: an eager open (np.fromfile) would count
-    store = TokenStore.open(tmp_path / "tokens")
+    store = open_store(tmp_path / "tokens")
     data_mb = store.tokens.nbytes / 2**20                          # 200k x 96 uint16 = 36.6 MB of ids
-    grew = _read_all(lambda rows: store.batch(rows[:256]), n, batch=256, base=base)
     assert len(store) == n and data_mb > 30
-    assert grew < 0.25 * data_mb, f"RssAnon grew {grew:.1f} MB while reading {data_mb:.1f} MB of token ids: they are being loaded into RAM"
+    return _read_all(lambda rows: store.batch(rows[:256]), n, batch=256, base=base), data_mb
 
 
-def test_targets_read_by_row_id_from_memory_mapped_shards(tmp_path):
-    n, d, shard = 200_000, 256, 25_000                              # 205 MB of fp32 targets in 8 shards
+def test_token_store_reads_200k_rows_without_growing_anonymous_memory(tmp_path):
+    grew, data_mb = _token_growth(tmp_path)
+    assert grew < TOKEN_BUDGET * data_mb, f"RssAnon grew {grew:.1f} MB while reading {data_mb:.1f} MB of token ids: they are being loaded into RAM"
+
+
+def _targets(tmp_path, n=200_000, d=256, shard=25_000):
+    "200k fp32 targets (205 MB) in 8 memory-mappable shards; their manifest."
     shards = {}
     for k, lo in enumerate(range(0, n, shard)):
         g = torch.Generator().manual_seed(k)
         p = tmp_path / "targets" / f"shard-{k:05d}.safetensors"; p.parent.mkdir(exist_ok=True)
-        save_file({"targets": torch.randn(shard, d, generator=g), "row_ids": torch.arange(lo, lo + shard)}, str(p))
+        if not p.exists(): save_file({"targets": torch.randn(shard, d, generator=g), "row_ids": torch.arange(lo, lo + shard)}, str(p))
         shards[f"{k:05d}"] = {"rows": [lo, lo + shard], "n": shard}
+    return {"shards": shards, "dim": d}
+
+
+def _target_growth(tmp_path, reader=TargetRows):
+    "RssAnon growth (MB) while reading every target row by id in random batches, and the targets' bytes (MB)."
+    manifest = _targets(tmp_path); n, d = 200_000, manifest["dim"]
     gc.collect(); base = rss_anon_mb()                             # before opening: an eager TargetRows (get_tensor per shard) would count
-    tr = TargetRows(tmp_path, {"shards": shards, "dim": d})
-    want = torch.randn(shard, d, generator=torch.Generator().manual_seed(3))[[7, 11]]
-    assert torch.equal(tr[[3 * shard + 7, 3 * shard + 11]], want)                     # row ids, across shards, not positions
-    data_mb = n * d * 4 / 2**20
-    grew = _read_all(lambda rows: tr[rows], n, base=base)
-    assert grew < 0.1 * data_mb, f"RssAnon grew {grew:.1f} MB while reading {data_mb:.0f} MB of targets: they are being loaded into RAM"
+    tr = reader(tmp_path, manifest)
+    want = torch.randn(25_000, d, generator=torch.Generator().manual_seed(3))[[7, 11]]
+    assert torch.equal(tr[[3 * 25_000 + 7, 3 * 25_000 + 11]], want)                     # row ids, across shards, not positions
+    return _read_all(lambda rows: tr[rows], n, base=base), n * d * 4 / 2**20
+
+
+def test_targets_read_by_row_id_from_memory_mapped_shards(tmp_path):
+    grew, data_mb = _target_growth(tmp_path)
+    assert grew < TARGET_BUDGET * data_mb, f"RssAnon grew {grew:.1f} MB while reading {data_mb:.0f} MB of targets: they are being loaded into RAM"
+
+
+class _EagerTokens(TokenStore):
+    "A planted token loader that holds every row: the store read into anonymous memory when opened."
+    @classmethod
+    def open(cls, folder):
+        store = TokenStore.open(folder); store.tokens = np.array(store.tokens); return store
+
+
+class _EagerTargets(TargetRows):
+    "A planted target loader that holds every row: each shard copied into anonymous memory when opened."
+    def __init__(self, folder, manifest):
+        super().__init__(folder, manifest); self._vec = [np.array(v) for v in self._vec]
+
+
+def test_the_budgets_trip_on_loaders_that_hold_every_row(tmp_path):
+    "The two budgets above can fail: a reader that holds every row grows past each, on the same rows and the same measure."
+    grew, data_mb = _token_growth(tmp_path, _EagerTokens.open)
+    assert grew >= TOKEN_BUDGET * data_mb, f"an eager token loader grew only {grew:.1f} MB of {data_mb:.1f} MB: the budget could not catch it"
+    grew, data_mb = _target_growth(tmp_path, _EagerTargets)
+    assert grew >= TARGET_BUDGET * data_mb, f"an eager target loader grew only {grew:.1f} MB of {data_mb:.0f} MB: the budget could not catch it"
 
 
 def test_rss_probe_sees_a_loader_that_holds_everything(tmp_path):
