@@ -121,7 +121,8 @@ def test_resume_refuses_targets_rebuilt_in_place(tmp_path):
     man["shards"][key]["sha256"] = sha256_file(shard)             # a consistent folder: it loads and verifies, in the same frame
     atomic_write_json(folder / "targets.json", man)
     before = (run_dir / "metrics.jsonl").read_text()
-    with pytest.raises(GuardError, match="targets_fingerprint"):
+    trained_on = json.loads((run_dir / "config.json").read_text())["corpus"]["targets_fingerprint"][:12]
+    with pytest.raises(GuardError, match=rf"trained on the targets .*\(fingerprint {trained_on}, .*neither that folder, its alias nor a build beside it holds them now"):
         run_consensus_training(seed=0, preset="smoke", run_dir=run_dir, targets="build", max_steps=6, progress=False,
                                allow_changes={"max_steps"})
     assert (run_dir / "metrics.jsonl").read_text() == before     # nothing was trained or logged

@@ -56,8 +56,30 @@ def _token_growth(tmp_path, open_store=TokenStore.open):
     return _read_all(lambda rows: store.batch(rows[:256]), n, batch=256, base=base), data_mb
 
 
+def _in_fresh_process(reading, tmp_path):
+    """`reading(tmp_path)` run in a new interpreter, its (growth MB, data MB) returned. Each RssAnon reading needs a process
+    that has freed nothing yet: in a pytest worker that ran other tests, malloc hands a new 36-205 MB array pages it touched
+    before, and RssAnon does not move (an eager loader read as 0.0 MB grown under CI's pytest-xdist)."""
+    code = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from pathlib import Path; import test_scale as t; "
+            f"print(json.dumps(t.{reading.__name__}(Path({str(tmp_path)!r}))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return tuple(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def _lazy_tokens(tmp_path): return _token_growth(tmp_path)
+def _eager_tokens(tmp_path): return _token_growth(tmp_path, _EagerTokens.open)
+def _lazy_targets(tmp_path): return _target_growth(tmp_path)
+def _eager_targets(tmp_path): return _target_growth(tmp_path, _EagerTargets)
+def _held_array(tmp_path):
+    "The instrument alone: 205 MB held in RAM, and its bytes."
+    gc.collect(); base = rss_anon_mb()
+    held = np.ones((200_000, 256), np.float32)
+    return rss_anon_mb() - base, held.nbytes / 2**20
+
+
 def test_token_store_reads_200k_rows_without_growing_anonymous_memory(tmp_path):
-    grew, data_mb = _token_growth(tmp_path)
+    grew, data_mb = _in_fresh_process(_lazy_tokens, tmp_path)
     assert grew < TOKEN_BUDGET * data_mb, f"RssAnon grew {grew:.1f} MB while reading {data_mb:.1f} MB of token ids: they are being loaded into RAM"
 
 
@@ -83,7 +105,7 @@ def _target_growth(tmp_path, reader=TargetRows):
 
 
 def test_targets_read_by_row_id_from_memory_mapped_shards(tmp_path):
-    grew, data_mb = _target_growth(tmp_path)
+    grew, data_mb = _in_fresh_process(_lazy_targets, tmp_path)
     assert grew < TARGET_BUDGET * data_mb, f"RssAnon grew {grew:.1f} MB while reading {data_mb:.0f} MB of targets: they are being loaded into RAM"
 
 
@@ -102,18 +124,16 @@ class _EagerTargets(TargetRows):
 
 def test_the_budgets_trip_on_loaders_that_hold_every_row(tmp_path):
     "The two budgets above can fail: a reader that holds every row grows past each, on the same rows and the same measure."
-    grew, data_mb = _token_growth(tmp_path, _EagerTokens.open)
+    grew, data_mb = _in_fresh_process(_eager_tokens, tmp_path)
     assert grew >= TOKEN_BUDGET * data_mb, f"an eager token loader grew only {grew:.1f} MB of {data_mb:.1f} MB: the budget could not catch it"
-    grew, data_mb = _target_growth(tmp_path, _EagerTargets)
+    grew, data_mb = _in_fresh_process(_eager_targets, tmp_path)
     assert grew >= TARGET_BUDGET * data_mb, f"an eager target loader grew only {grew:.1f} MB of {data_mb:.0f} MB: the budget could not catch it"
 
 
 def test_rss_probe_sees_a_loader_that_holds_everything(tmp_path):
-    "The instrument can fail: holding the same 205 MB in RAM shows in RssAnon."
-    gc.collect(); base = rss_anon_mb()
-    held = np.ones((200_000, 256), np.float32)
-    assert rss_anon_mb() - base > 0.8 * held.nbytes / 2**20
-    del held
+    "The instrument can fail: holding the same 205 MB in RAM shows in RssAnon (in a fresh process, as every reading above)."
+    grew, held_mb = _in_fresh_process(_held_array, tmp_path)
+    assert grew > 0.8 * held_mb, f"RssAnon grew {grew:.1f} MB while {held_mb:.0f} MB were held"
 
 
 def test_dry_run_plans_v2_and_v2b_on_the_command_line():
