@@ -19,10 +19,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .benchmark import DEV_TASKS, FAST_TASKS, TASK_NAMES
+from .benchmark import DEV_TASKS, FAST_TASKS, TASK_NAMES, pooled_outputs
 from .core import Presets, member_of
+from .data import collate, sorted_batches
 from .encoder import CaptionEncoder, EncoderConfig, n_params
 from .gauges import effective_rank
+from .teachers import load_teachers, reference_member, roster
+from .train import TrainConfig, plan_run, run_consensus_training, summed_lr
 
 # %% ../nbs/08_alephlm.ipynb #afa70166
 ARMS = {   # arm -> (what it is, its EncoderConfig flags); every arm reads out the CLS token
@@ -38,7 +41,6 @@ def routing_budget_scale(short, # the TrainConfig of a short run
                          reference # the TrainConfig whose schedule sets the budget (the published recipe)
                         ) -> float:
     "Σ lr over the reference schedule / Σ lr over the short one: the lr multiplier giving a short run's routing parameters the reference's Adam travel."
-    from captionbert.train import summed_lr
     return summed_lr(reference) / summed_lr(short)
 
 def arm_of(name: str # an arm ("a1") or its preset name ("aleph-a1")
@@ -82,14 +84,12 @@ class AlephConfig(Presets):
         if self.dev_task in self.tasks: raise ValueError(f"the dev set {self.dev_task!r} cannot also be a reported test set ({self.tasks})")
     def train_config(self, arm: str = "a1", **kw):
         "The TrainConfig every arm trains with: the 05_train preset with the AlephLM recipe on top (the same for every arm)."
-        from captionbert.train import TrainConfig
         tc = dataclasses.replace(TrainConfig.preset(self.train_preset, **{**dict(self.recipe), **kw}), name=f"aleph-{arm_of(arm)}-{self.name}")
         if self.routing_budget is None or ARMS[arm_of(arm)][1].get("ffn") != "anchored" or "lr_scales" in kw: return tc
         m = routing_budget_scale(tc, AlephConfig.published().train_config())
         return dataclasses.replace(tc, lr_scales=tuple((k, m) for k in ROUTING_PARAMS))
     def routing_travel(self) -> dict:
         "How far Adam can carry an anchored arm's routing parameters at this size: directed Σ lr·m, random walk √Σ (lr·m)² (train.summed_lr)."
-        from captionbert.train import summed_lr
         tc, m = self.train_config("a1"), self.routing_scale()
         return {"multiplier": m, "directed": m * summed_lr(tc), "random_walk": m * math.sqrt(summed_lr(tc, power=2))}
     def routing_scale(self) -> float:
@@ -110,7 +110,6 @@ def routing_vitals(model: CaptionEncoder, # an anchored trunk
                    ids: Sequence[Sequence[int]], # token ids of held-out rows
                    batch_size: int = 64) -> dict:
     "Per-block routing vitals and the per-expert negative-weight fraction on these rows (a flat dict of floats)."
-    from captionbert.data import collate, sorted_batches
     parts = model._routed(); names = parts[0].names; K = len(names)
     was = model.training; model.eval(); dev = next(model.parameters()).device
     amp, disp, trunk = torch.zeros(len(parts)), torch.zeros(len(parts)), torch.zeros(len(parts))
@@ -176,7 +175,6 @@ def train_arm_run(cfg: AlephConfig, # the study's size
                   **encoder_overrides # e.g. readout="mean" (S0e)
                  ):
     "Train one arm at one seed on the one loop with the study's recipe; returns the ConsensusRun."
-    from captionbert.train import run_consensus_training
     tc = cfg.train_config(arm, **({"max_steps": int(max_steps)} if max_steps else {}))
     enc = cfg.encoder_config(arm, **encoder_overrides)
     job = run_consensus_training(seed, cfg.train_preset if cfg.train_preset in ("smoke", "cpu") else "published", run_dir, targets,
@@ -188,7 +186,6 @@ def train_arm_run(cfg: AlephConfig, # the study's size
 
 def study_plan(cfg: AlephConfig, seed: int = 0) -> dict:
     "The dry-run plan of a study (core.PLAN_KEYS via 05_train's plan_run on the AlephLM recipe, each arm's parameters): no network, no GPU."
-    from captionbert.train import plan_run
     base = plan_run("published" if cfg.name == "published" else cfg.train_preset, seed,
                     train_config=cfg.train_config(), encoder_config=cfg.encoder_config("a1"))
     with torch.device("meta"):
@@ -222,7 +219,6 @@ def held_out_cosine(model, # a trained arm (its routing as configured)
                     rows: Sequence[int] # held-out row ids
                    ) -> float:
     "The training gauge's target cosine of `model` on `rows` (the harness's embedding loop against the run's targets)."
-    from captionbert.benchmark import pooled_outputs
     s, t = pooled_outputs(model, [job.corpus[int(r)] for r in rows]), job.targets.for_rows(np.asarray(rows))
     return float((s * t).sum(-1).mean())
 
@@ -254,7 +250,6 @@ def s0a_ranks(targets, # consensus targets (04_consensus): .targets indexable by
               ood_texts: Optional[Sequence[str]] = None, # out-of-domain sentences (None: not measured)
               device=None) -> dict:
     "S0a's three effective ranks (targets, reference member raw on the same rows, the member on out-of-domain text) and its verdict."
-    from captionbert.teachers import load_teachers, reference_member, roster
     spec = reference_member(roster(targets.manifest["config"]["roster"]))
     group = load_teachers([spec], device=device)[0]
     rows = [int(r) for r in rows]

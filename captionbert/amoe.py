@@ -17,12 +17,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from .alignment import AlignmentConfig
 from .benchmark import DEV_TASKS, TASK_NAMES
-from .core import GuardError, Presets, atomic_path, read_safetensors
-from .data import (Batch, FlickrImages, PairSet, RELATIONS, SceneGrammar, Scene, SceneObject, assert_no_held_out_text, assert_train_only, caption_pairs,
-                              collate, flickr_unavailable, load_flickr_images)
+from .core import GuardError, Presets, RunDir, atomic_path, read_safetensors, set_seed, sha256_bytes, to_jsonable
+from .data import (Batch, FlickrImages, PairSet, RELATIONS, SceneGrammar, Scene, SceneObject, assert_no_held_out_text, assert_train_only,
+                              caption_pairs, collate, flickr_unavailable, load_flickr_images, load_tokenizer, runs_dir, sorted_batches)
 from .encoder import CaptionEncoder, EncoderConfig, n_params, set_residual_hook
 from .routers import sinh_route
+from .train import TrainConfig, _world, config_changes, plan_run, resolve_encoder_config, train
 
 # %% auto #0
 __all__ = ['SYNONYMS', 'HUB_PAIRS', 'PAIR_SOURCES', 'BACKBONE_SEED', 'Arm', 'backbone_fingerprint', 'ArmLibrary',
@@ -155,7 +157,6 @@ def save_library(library: ArmLibrary, path) -> Path:
 
 def assert_toggle_exact(model: AmoeModel, tokenizer=None, texts: Sequence[str] = ("a dog runs on the beach .", "two red cars", "")):
     "Assert the toggles: all off = the bare backbone, fresh arms all on = the bare backbone (torch.equal), masked != solo (LAWS.md law 14)."
-    from captionbert.data import load_tokenizer
     tok = tokenizer or load_tokenizer()
     b = collate(tok(list(texts))["input_ids"])
     dev = next(model.backbone.parameters()).device
@@ -236,7 +237,7 @@ def grammar_pairs(task: str, # "equivalence", "simplification" or "paraphrase"
 def hub_pairs(name: str, col_a: str, col_b: str, config: Optional[str] = None, split: str = "train",
               limit: Optional[int] = None, task: Optional[str] = None) -> PairSet:
     "Pairs from a hub dataset, by name and the two columns."
-    from datasets import load_dataset
+    from datasets import load_dataset   # deferred: heavy import (datasets)
     ds = load_dataset(name, config, split=split, streaming=True)
     a, b = [], []
     for i, row in enumerate(ds):
@@ -333,7 +334,6 @@ class PairLoss:
     def __init__(self, temperature: float = 0.05): self.temperature = temperature
     def __call__(self, model, batch: Batch, # this process's shard of the global batch (whole pairs, interleaved)
                  global_batch: Batch):
-        from captionbert.train import _world
         rows, g = torch.as_tensor(batch.rows), torch.as_tensor(global_batch.rows)
         if len(rows) % 2 or not (torch.equal(rows[0::2] % 2, torch.zeros_like(rows[0::2])) and torch.equal(rows[1::2], rows[0::2] + 1)):
             raise ValueError(f"a pair batch interleaves a-side 2i and b-side 2i+1 row by row; got rows {rows[:6].tolist()}...: build it with PairPlan")
@@ -358,8 +358,6 @@ def train_arm(backbone: CaptionEncoder, # frozen
               tau: float = 0.10, seed: int = 0, device=None, progress: bool = False,
               table: Optional[FlickrImages] = None): # the Flickr table for the train-only guard when `pairs` have sources; None: load it
     "Train one arm solo on a frozen backbone with the workbook's training loop; returns the TrainResult."
-    from captionbert.core import RunDir, set_seed
-    from captionbert.train import train
     set_seed(seed)
     model = AmoeModel(backbone, ArmLibrary([arm], tau=tau, backbone_fingerprint=backbone_fingerprint(backbone)))
     corpus = {"pairs": pairs.name, "pairs_sha256": pairs.fingerprint, "backbone": model.library.backbone_fingerprint, "tau": tau}
@@ -371,7 +369,6 @@ def train_arm(backbone: CaptionEncoder, # frozen
 @torch.no_grad()
 def amplitude_shares(model: AmoeModel, tokenizer, texts: Sequence[str], batch_size: int = 64) -> dict:
     "Each active arm's mean |w_k| over real tokens and layers, the sum, and the fraction of negative weights."
-    from captionbert.data import sorted_batches
     ids = tokenizer(list(texts), truncation=True, max_length=256)["input_ids"]
     dev = next(model.backbone.parameters()).device
     tot, neg, count = torch.zeros(len(model.library.arms)), torch.zeros(len(model.library.arms)), 0
@@ -448,7 +445,6 @@ class ArmStudyConfig(Presets):
         if self.dev_task in self.tasks: raise ValueError(f"the dev set {self.dev_task!r} cannot also be a reported test set ({self.tasks})")
         if not self.taus or not self.sweep_seeds: raise ValueError("the sweep needs at least one temperature and one seed")
         if self.pair_source not in PAIR_SOURCES: raise ValueError(f"unknown pair source {self.pair_source!r}: one of {list(PAIR_SOURCES)}")
-        from captionbert.train import TrainConfig
         if len(self.siblings) != 2: raise ValueError(f"a transplant needs two sibling backbones, got {self.siblings}")
         frames = {n: TrainConfig.preset(p).alignment for n, p, _ in self.sibling_runs()}   # the targets' alignment preset: their frame
         if len(set(frames.values())) != 1:
@@ -460,8 +456,6 @@ class ArmStudyConfig(Presets):
     def plan(self, section: str = "06_amoe", # the notebook the plan is for: 06_amoe or 07_transplant
              seed: int = 0) -> dict:
         "The dry-run plan of the study at this preset (keys of core.PLAN_KEYS, and the arms' sizes): no network, no GPU, nothing trained."
-        from captionbert.encoder import CaptionEncoder, EncoderConfig, n_params
-        from captionbert.train import TrainConfig
         backbones = [self.backbone_preset] if section == "06_amoe" else [p for _, p, _ in self.sibling_runs()]
         enc = {p: EncoderConfig.preset(TrainConfig.preset(p).encoder) for p in backbones}
         if len({(e.hidden, e.layers) for e in enc.values()}) != 1: raise ValueError(f"the backbones {backbones} differ in width or depth")
@@ -486,7 +480,6 @@ class ArmStudyConfig(Presets):
         return plan
     def train_config(self, steps: Optional[int] = None): # None: the arms' steps
         "The TrainConfig of one arm (or key re-alignment) run on the workbook's loop."
-        from captionbert.train import TrainConfig
         n = self.steps if steps is None else steps
         return TrainConfig(name=f"arm-{self.name}", batch_size=self.batch_size, max_steps=n, lr=self.lr, warmup_steps=max(1, n // 10),
                            eval_every=10**9, ckpt_every_steps=10**9, log_every=10)
@@ -513,7 +506,6 @@ def backbone_runs(cfg: ArmStudyConfig, # the study
                   root: Optional[Path] = None # the runs folder; None: data.runs_dir()
                  ) -> dict:
     "The 05_train run directories the study's plan names for its backbones: name -> runs/05_train-<preset>-seed0 (06: the preset's name; 07: A, B)."
-    from captionbert.data import runs_dir
     root = Path(root) if root is not None else runs_dir()
     named = [(cfg.backbone_preset, cfg.backbone_preset)] if section == "06_amoe" else [(n, p) for n, p, _ in cfg.sibling_runs()]
     return {n: root / f"05_train-{p}-seed{BACKBONE_SEED}" for n, p in named}
@@ -521,8 +513,6 @@ def backbone_runs(cfg: ArmStudyConfig, # the study
 def backbone_expectation(preset: str # a 05_train preset (v2, v2b, cpu, smoke)
                         ) -> dict:
     "What a 05_train run of `preset` must record to be the backbone a plan names: the recipe, the student's and the training config, and the id of the alignment its targets' maps were fit from."
-    from captionbert.core import to_jsonable
-    from captionbert.train import TrainConfig, plan_run, resolve_encoder_config
     p, tc = plan_run(preset), TrainConfig.preset(preset)
     return {"preset": TrainConfig.canonical(preset), "encoder": to_jsonable(resolve_encoder_config(tc, p["target_dim"])),
             "train": to_jsonable(tc), "maps": p["maps"]["id"]}
@@ -532,9 +522,6 @@ def check_backbone_run(run_dir: str | Path, # a 05_train run directory
                        stage: str = "" # the plan's command that makes it (named in the error)
                       ) -> dict:
     "The run's config.json, once its recipe, student, training config, alignment and frame are the ones the plan expects; else GuardError naming each difference (LAWS.md law 17)."
-    from captionbert.alignment import AlignmentConfig
-    from captionbert.core import sha256_bytes, to_jsonable
-    from captionbert.train import config_changes
     d = Path(run_dir); todo = f"; make it with the plan's stage: {stage}" if stage else f"; train it with 05_train at preset {preset!r}"
     if not (d / "config.json").exists() or not (d / "checkpoints" / "final.safetensors").exists():
         raise GuardError(f"{d} holds no finished 05_train run (config.json and checkpoints/final.safetensors)" + todo)

@@ -18,9 +18,10 @@ from tqdm.auto import tqdm
 from .core import atomic_write_json, check_writable, code_version, sha256_bytes
 from .data import STS_DIR_VAR, bundled_minilm_path, find_data, repo_root
 from .gauges import effective_rank, entropy_effective_rank, self_cosine, simplex_cv, spearman
-from .teachers import TeacherGroup, TeacherSpec, require_source
+from .teachers import TeacherGroup, TeacherSpec, glove_teacher, paraphrase_teachers, require_source
 from .data import collate, load_tokenizer, sorted_batches
 from .encoder import CaptionEncoder
+from .hf import load_pretrained
 
 # %% auto #0
 __all__ = ['STS_TASKS', 'TASK_NAMES', 'FAST_TASKS', 'DEV_TASKS', 'HUB_RETRY_S', 'NAMED_MODELS', 'HARNESS_SOURCE', 'STS_HUB_TASK',
@@ -127,7 +128,7 @@ def load_sts_task(name: str, # a key of STS_TASKS
     if _HUB_FAILURE and time.monotonic() - _HUB_FAILURE[-1][0] < HUB_RETRY_S:
         raise FileNotFoundError(f"{name}: the hub was unreachable moments ago ({_HUB_FAILURE[-1][1]})")
     _HUB_FAILURE.clear()
-    from datasets import load_dataset
+    from datasets import load_dataset   # deferred: heavy import (datasets)
     try: ds = load_dataset(task.hub_path, revision=task.revision, split=task.split)
     except Exception as e:
         msg = (f"could not load {name} from the hub ({task.hub_path}@{task.revision[:10]}): {type(e).__name__}: {str(e)[:200]}. "
@@ -186,8 +187,7 @@ class StudentEncoder:
     @classmethod
     def from_folder(cls, folder, name: str | None = None, **kw) -> "StudentEncoder":
         "Load an exported student natively (its config and safetensors; no code from the folder runs)."
-        from transformers import AutoTokenizer
-        from captionbert.hf import load_pretrained
+        from transformers import AutoTokenizer   # deferred: heavy import (transformers)
         return cls(load_pretrained(folder), AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False), name=name or Path(folder).name, **kw)
     def encode(self, texts: list[str]) -> torch.Tensor:
         "L2-normalized sentence vectors [N, O]."
@@ -222,11 +222,9 @@ def teacher_encoder(spec: TeacherSpec, # a teacher view
     return HFEncoder(spec.source, name=name or spec.name, family=spec.family, layer=spec.layer, **kw)
 
 def _paraphrase_l3():
-    from captionbert.teachers import paraphrase_teachers
     return paraphrase_teachers((3,))[0]
 
 def _glove_50d():
-    from captionbert.teachers import glove_teacher
     return glove_teacher()
 
 NAMED_MODELS = {   # --model name -> (name in results, the teacher spec); both need the teachers extra
@@ -334,7 +332,7 @@ def save_results(results: dict, path: str | Path,
     "Write a results dict as JSON, atomically, and beside it mteb's result files of its test scores (a stale folder there is removed); the JSON's path."
     path = atomic_write_json(path, results)
     if mteb is not False:
-        try: import mteb as _mteb
+        try: import mteb as _mteb   # deferred: optional extra (captionbert[doors])
         except ImportError:
             if mteb: raise ImportError("save_results(mteb=True) needs mteb: pip install 'captionbert[doors]'") from None
             print(f"mteb is not installed: no mteb result files beside {path} (pip install 'captionbert[doors]')")
@@ -376,7 +374,7 @@ def data_revision(results: dict, # harness results
 def hub_eval_results(results: dict # harness results (evaluate's dict, or load_results of its file)
                     ) -> list:
     "The test scores as the hub's model-index rows (huggingface_hub EvalResult), laid out as mteb lays out its own; values exactly as scored."
-    from huggingface_hub import EvalResult
+    from huggingface_hub import EvalResult   # deferred: heavy import (huggingface_hub)
     rows = []
     for name in reported_tasks(results):
         t = STS_TASKS[name]
@@ -395,7 +393,7 @@ def mteb_model_meta(name: str, # 'organization/model'
                     **fields # more ModelMeta fields: embed_dim, n_parameters, max_tokens, ...
                    ):
     "mteb's ModelMeta of a model the harness scores (needs mteb): cosine similarity, PyTorch, English text, open weights."
-    from mteb.models.model_meta import ModelMeta, ScoringFunction
+    from mteb.models.model_meta import ModelMeta, ScoringFunction   # deferred: optional extra (captionbert[doors])
     if "/" not in name: raise ValueError(f"mteb names a model 'organization/model', got {name!r}")
     return ModelMeta.create_empty({"name": name, "revision": revision, "similarity_fn_name": ScoringFunction.COSINE, "framework": ["PyTorch"],
                                    "modalities": ["text"], "languages": ["eng-Latn"], "open_weights": True, **fields})
@@ -403,8 +401,8 @@ def mteb_model_meta(name: str, # 'organization/model'
 def mteb_task_results(results: dict # harness results
                      ) -> list:
     "mteb's TaskResult of each test task scored, the task from mteb's own registry (needs mteb); refused if a declaration drifts from mteb's."
-    import mteb
-    from mteb.results import TaskResult
+    import mteb   # deferred: optional extra (captionbert[doors])
+    from mteb.results import TaskResult   # deferred: optional extra (captionbert[doors])
     out = []
     for name in reported_tasks(results):
         t, score = STS_TASKS[name], float(results["scores"][name])
@@ -427,7 +425,7 @@ def write_mteb_results(results: dict, # harness results
                        revision: str = "local" # the model revision the files name
                       ) -> Path:
     "Write mteb's per-task files of a results dict with mteb's own ResultCache, in a folder built beside `folder` and swapped in; `folder`."
-    from mteb.cache import ResultCache
+    from mteb.cache import ResultCache   # deferred: optional extra (captionbert[doors])
     folder = Path(folder)
     tasks = mteb_task_results(results)          # made (and checked) before anything is written
     meta = mteb_model_meta(mteb_model_name(results["model"]), revision, n_parameters=results.get("params"))
@@ -476,7 +474,7 @@ def results_table(results: Sequence[dict]) -> str:
 
 def results_figure(results: Sequence[dict], title: str = "STS, Spearman of cosine similarity"):
     "A plotly grouped bar chart of several results, tasks on the x axis."
-    import plotly.graph_objects as go
+    import plotly.graph_objects as go   # deferred: figures only (plotly)
     cols = [t for t in TASK_NAMES if any(t in r["scores"] for r in results)]
     fig = go.Figure([go.Bar(name=r["model"], x=cols + ["mean"], y=[r["scores"].get(c) for c in cols] + [r["mean"]]) for r in results])
     fig.update_layout(barmode="group", title=title, yaxis_title="Spearman", yaxis_range=[0, 1], height=420, legend_title="model")

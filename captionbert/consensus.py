@@ -6,7 +6,7 @@ member's frame — written as sharded safetensors that carry the frame they live
 # %% ../nbs/04_consensus.ipynb #2e3f43d3
 from __future__ import annotations
 
-import dataclasses, glob, json, os, re, secrets, shutil, tempfile, time
+import argparse, dataclasses, glob, json, os, re, secrets, shutil, tempfile, time
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +20,7 @@ from . import alignment as _alignment
 from .alignment import AlignmentConfig, AlignmentMap, RowEmbeddings, fit_roster, frame_fingerprint, split_rows
 from .core import (GuardError, atomic_path, atomic_write_json, current_umask, folder_lock, pick_device, pick_precision, remove_temporaries,
                               sha256_bytes, sha256_file, stage_hash, stale_temporaries, to_jsonable)
-from .data import CAPTIONS_VAR, TokenStore, load_tokenizer, stratified_sample, token_store, tokenize
+from .data import CAPTIONS_VAR, TokenStore, cache_dir, load_tokenizer, open_captions, stratified_sample, token_store, tokenize
 from .gauges import effective_rank
 from .teachers import (EmbeddingStore, TeacherGroup, TeacherSpec, check_teachers, embed_cache_key, embed_cached, reference_member, roster,
                                   safetensors_memmap)
@@ -292,7 +292,6 @@ EXPECTED_ROWS = {AlignmentConfig.published().captions: 31_905_616}   # corpus sp
 def source_manifest_path(spec: str # a caption spec as typed (see data.open_captions)
                         ) -> Path:
     "Where `inspect` keeps what it counted for `spec`, and where the plan and the row check look: cache_dir('sources')/<spec as a name>-<12 hex>.json."
-    from captionbert.data import cache_dir
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in spec)[-80:]
     return cache_dir("sources") / f"{safe}-{sha256_bytes(spec.encode())[:12]}.json"
 
@@ -335,7 +334,6 @@ def inspect_source(spec: str, # a caption spec (data.open_captions): hub or loca
                    echo=print # where the report goes
                   ) -> dict:
     "Count a caption source in one pass: each column's rows and non-empty cells, the flattened rows, their chunk layout and the resolved revision (or sha256); print them and write the manifest (atomically)."
-    from captionbert.data import open_captions
     whole = _whole(open_captions(spec, resolver=resolver, loader=loader))
     counted = whole.count() if hasattr(whole, "count") else {"columns": {}, "rows": len(whole), "id_scheme": "file order"}
     n, declared, d = counted["rows"], EXPECTED_ROWS.get(spec), whole.describe()
@@ -683,7 +681,6 @@ def _build_consensus(cfg, folder, source, store, key, rebuilt_from, t_embed, pro
 
 def main(argv=None):
     "Command-line entry point: `inspect` counts a caption source and writes its manifest; `tokens` tokenizes a preset's captions into the cached token store and checks their row count (the plan's first stage)."
-    import argparse
     ap = argparse.ArgumentParser(prog="python -m captionbert.consensus", description="The consensus stage's command-line steps.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("tokens", help="tokenize the captions once (memory-mapped, cached) and check their rows against EXPECTED_ROWS "

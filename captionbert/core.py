@@ -5,12 +5,16 @@
 # %% ../nbs/00_core.ipynb #4864af8a
 from __future__ import annotations
 
-import contextlib, dataclasses, hashlib, json, os, random, signal, socket, subprocess, sys, tempfile, time, warnings
+import contextlib, dataclasses, hashlib, importlib, importlib.metadata, inspect, json, os, random, shutil, signal, socket, subprocess
+import sys, tempfile, threading, time, warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
+from safetensors import safe_open
+
+from . import __version__
 
 # %% auto #0
 __all__ = ['PRECISIONS', 'FAULT_VAR', 'FAULT_KINDS', 'SIZES', 'PLAN_KEYS', 'repo_root', 'GuardError', 'set_seed', 'pick_device',
@@ -184,7 +188,6 @@ def read_safetensors(path: str | Path, fmt: str, # the file and the `format` its
                      what: str # what the file should be, for the errors ("arm library", "depth arm")
                     ) -> tuple[dict, dict]:
     "(metadata, tensors) of a safetensors file the workbook wrote; an unreadable file or another format is a GuardError naming the file."
-    from safetensors import safe_open
     try:
         with safe_open(str(path), "pt") as f: meta, tensors = f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e: raise GuardError(f"{path} is not a readable {what} ({type(e).__name__}: {e})") from e
@@ -215,7 +218,6 @@ def folder_lock(folder: str | Path # the folder to hold
                ) -> Iterator[Path]:
     "Hold an exclusive lock on `folder` (blocking until other holders finish); re-entrant within a thread."
     folder = Path(folder); folder.mkdir(parents=True, exist_ok=True)
-    import threading
     key = (str(folder.resolve()), threading.get_ident())
     if key in _HELD_LOCKS: yield folder; return            # this thread holds it already
     try: import fcntl
@@ -353,7 +355,6 @@ def keep_run_locks():
 # %% ../nbs/00_core.ipynb #9c9715b8
 def code_version() -> str:
     "Package version plus git commit of the checkout it runs from, e.g. '0.1.0+g1a2b3c4' or '0.1.0+g1a2b3c4.dirty'."
-    from captionbert import __version__
     root = Path(__file__).resolve().parent.parent if "__file__" in globals() else Path.cwd()
     try:
         sha = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
@@ -366,7 +367,6 @@ def code_version() -> str:
 # %% ../nbs/00_core.ipynb #ae961455
 def _lib_version(name: str) -> str:
     "The installed version of a library (its distribution's, else its module's __version__)."
-    import importlib, importlib.metadata
     mod = importlib.import_module(name)
     if getattr(mod, "__version__", None): return str(mod.__version__)
     return importlib.metadata.version(name)
@@ -375,7 +375,6 @@ def stage_hash(*objs, # the functions, classes or modules that compute the stage
                libs: tuple = ("torch", "numpy") # libraries whose versions change those numbers
               ) -> str:
     "16-hex hash of the source of `objs` and the versions of `libs`: the code version of one pipeline stage."
-    import inspect
     if not objs: raise ValueError("stage_hash needs the functions that compute the stage; an empty list would name no code")
     parts = []
     for o in objs:
@@ -413,7 +412,6 @@ class Presets:
     SIZE_OF = "size"         # what a preset name is called in errors ("rotary size")
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
-        import inspect
         missing = [n for n in cls.PRESETS if not isinstance(inspect.getattr_static(cls, n, None), classmethod)]
         if missing: raise TypeError(f"{cls.__name__}.PRESETS names {missing}, but {cls.__name__} has no classmethod of that name: "
                                     f"define `@classmethod def {missing[0]}(cls, **kw)` or drop the name from PRESETS")
@@ -481,7 +479,6 @@ def remove_temporaries(paths: list, # orphans stale_temporaries found
                        where: str | Path # the folder they lie under (named in the warning)
                       ) -> list:
     "Remove the orphans (an orphan folder with what it holds), with one warning naming them; returns them."
-    import shutil
     for p in paths:
         if p.is_dir() and not p.is_symlink(): shutil.rmtree(p, ignore_errors=True)
         else: p.unlink(missing_ok=True)

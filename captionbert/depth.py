@@ -6,7 +6,7 @@ a bar declared before it runs and beside a control that must fail, and a depth-e
 # %% ../nbs/09_depth.ipynb #1cc242c9
 from __future__ import annotations
 
-import contextlib, dataclasses, json, random
+import contextlib, dataclasses, json, random, time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable, Optional, Sequence
@@ -15,14 +15,19 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
 from .amoe import Arm, backbone_fingerprint, check_backbone
 from .benchmark import TASK_NAMES
-from .core import GuardError, Presets, atomic_path, read_safetensors
-from .data import ATTRIBUTE_KINDS, MATERIALS, NOUNS, SIZE_WORDS, Batch, Scene, SceneGrammar, collate
+from .consensus import builds_of, load_targets
+from .core import GuardError, Presets, RunDir, atomic_path, read_safetensors, sha256_bytes
+from .data import (ATTRIBUTE_KINDS, MATERIALS, NOUNS, SIZE_WORDS, Batch, Scene, SceneGrammar, collate, bundled_minilm_path, load_tokenizer,
+                              runs_dir, sorted_batches, token_store, tokenizer_fingerprint)
 from .encoder import CaptionEncoder, LearnedPositions, set_residual_hook
 from .gauges import effective_rank
 from .stats import bootstrap_interval, paired_interval
+from .teachers import mean_pool
+from .train import TrainConfig, caption_source, run_rows, train
 
 # %% auto #0
 __all__ = ['GRAMMAR_WORDS', 'NEUTRAL_WORDS', 'BINDING_BAR', 'BINDING_LAMBDA', 'RECOVERY_BAR', 'RANK_BAR', 'DIRECTIONS',
@@ -663,7 +668,6 @@ DEPTH_ARM_FORMAT = "captionbert-depth-arm-v1"
 
 def save_depth_arm(arm: DepthArm, path) -> Path:
     "The detachable part alone (copied positions and adapters; not the trunk, not the training-only map) as safetensors with its spec and its trunk's fingerprint, atomically."
-    from safetensors.torch import save_file
     tensors = {k: v.detach().cpu().contiguous() for k, v in arm.state_dict().items() if not k.startswith("distill.")}
     meta = {"format": DEPTH_ARM_FORMAT, "backbone_fingerprint": arm.backbone_fingerprint,
             "spec": json.dumps({"trained": arm.trained, "length": arm.length, "rank": arm.rank})}
@@ -691,7 +695,6 @@ def load_depth_arm(path, backbone: nn.Module, # the trunk the arm will sit on
     dev = next(backbone.parameters()).device
     model = DepthModel(backbone, arm.to(dev), allow_foreign=allow_foreign).eval()
     if tokenizer is None:
-        from captionbert.data import load_tokenizer
         tokenizer = load_tokenizer()
     assert_disengage_exact(model, tokenizer)
     return model
@@ -703,8 +706,7 @@ def standin_trunk(trained: int = 64, # positions 0..trained-1 keep MiniLM's lear
                   layers: Optional[int] = None # keep only MiniLM's first `layers` blocks (smoke: a cheaper stand-in); None: all six
                  ) -> nn.Module:
     "The bundled all-MiniLM-L6-v2 with its position rows from `trained` on re-drawn as untrained: a trunk that binds, with a short trained range."
-    from transformers import AutoModel
-    from captionbert.data import bundled_minilm_path
+    from transformers import AutoModel   # deferred: heavy import (transformers)
     model = AutoModel.from_pretrained(str(bundled_minilm_path())).eval()
     table = model.embeddings.position_embeddings.weight
     if not 2 <= trained < table.shape[0]: raise ValueError(f"trained must be in [2, {table.shape[0]}) (MiniLM's position rows), got {trained}")
@@ -833,7 +835,6 @@ class DepthConfig(Presets):
             raise ValueError(f"the stand-in needs 2 <= standin ({self.standin}) < standin_length ({self.standin_length}) <= 512 (its teacher's positions)")
     def train_config(self):
         "The TrainConfig of the arm's distillation on the workbook's one loop."
-        from captionbert.train import TrainConfig
         return TrainConfig(name=f"depth-{self.name}", batch_size=self.batch_size, max_steps=self.steps, lr=self.lr,
                            warmup_steps=max(1, self.steps // 10), eval_every=self.eval_every, ckpt_every_steps=10**9,
                            log_every=10, max_tokens=self.length, best_metric="none")
@@ -858,10 +859,6 @@ def trained_range(run_dir, # a finished 05_train run: its config.json names its 
                   targets=None, # the targets folder it trained on; None: the one its config names, else consensus-<its alignment> beside the run or in runs/
                   tokenizer=None) -> dict:
     "The trunk's trained position range, measured on the rows it trained on (checked by their sha256 against its config), at its max_tokens: the longest row, so every position below it was trained on at least one row (the 99th percentile is returned beside it: positions past it saw under 1% of rows)."
-    from captionbert.consensus import builds_of, load_targets
-    from captionbert.core import sha256_bytes
-    from captionbert.data import load_tokenizer, runs_dir, token_store
-    from captionbert.train import TrainConfig, caption_source, run_rows
     run_dir = Path(run_dir); conf = json.loads((run_dir / "config.json").read_text())
     tc, corpus = TrainConfig(**conf["train"]), conf["corpus"]
     label = f"consensus-{tc.alignment_config().label}"                          # the alias 05_train builds them under ("auto")
@@ -888,8 +885,7 @@ def load_teacher(name: str, # "bundled" (all-MiniLM-L6-v2) or a hub id
                  length: int # the longest row it will read
                 ) -> nn.Module:
     "The long-context teacher, refused if it tokenizes differently from the trunk or holds fewer than `length` positions."
-    from transformers import AutoModel, AutoTokenizer
-    from captionbert.data import bundled_minilm_path, tokenizer_fingerprint
+    from transformers import AutoModel, AutoTokenizer   # deferred: heavy import (transformers)
     src = str(bundled_minilm_path()) if name == "bundled" else name
     remote = name != "bundled"
     if tokenizer_fingerprint(AutoTokenizer.from_pretrained(src, trust_remote_code=remote)) != tokenizer_fingerprint(tokenizer):
@@ -905,8 +901,6 @@ def train_depth_arm(model: DepthModel, # the trunk with the arm to train (arm.di
                     evaluate_fn: Optional[Callable] = None, # (model, step) -> metrics: the spectrum read along the way
                     device=None, progress: bool = False):
     "Distill the arm from the teacher's token states on long rows, on the workbook's one training loop; returns its TrainResult."
-    from captionbert.core import RunDir
-    from captionbert.train import train
     if model.arm.adapters is None or model.arm.distill is None: raise ValueError("the arm has nothing to train: build it with rank > 0 and distill_width")
     if device is not None: teacher.to(device)
     return train(model, plan, TokenDistill(teacher), cfg.train_config(), RunDir(run_dir), corpus, evaluate_fn=evaluate_fn,
@@ -928,7 +922,6 @@ def declare_gate(run, # a core.RunDir: the gate is written there before any arm 
                  ratio: float, trained_source: str, # where the trained range came from (measured, declared)
                  **extra) -> dict:
     "Write the preregistered gate of one trunk (its rule, reference read, depths) to the run folder, before any arm is built; returns it."
-    import time
     gate = {"ratio": ratio, "rule": "(binding - chance) / (band - chance) >= ratio at every depth from the band's first (earlier depths are read, not gated)", "chance": CHANCE, "through": plan.depths[-1],
             "depths": plan.depths, "band": plan.band, "seams": plan.seams, "capacity": plan.capacity, "limited_by": plan.limited_by,
             "trained": plan.trained, "trained_source": trained_source, "binding_bar": BINDING_BAR, "reference_read": reference,
@@ -1021,8 +1014,6 @@ class PooledStates:
         self.model, self.tokenizer, self.name, self.max_length, self.chunk = model, tokenizer, name, max_length, chunk
     def __repr__(self): return f"PooledStates({self.name})"
     def encode(self, texts: list[str]) -> torch.Tensor:
-        from captionbert.data import sorted_batches
-        from captionbert.teachers import mean_pool
         ids, out = self.tokenizer(list(texts), truncation=True, max_length=self.max_length)["input_ids"], None
         for rows in sorted_batches([len(x) for x in ids], self.chunk):
             b = collate([ids[i] for i in rows], rows)

@@ -72,7 +72,7 @@ def load_sentence_transformer(folder, # an exported model folder with its senten
                              ):
     "Check the folder, then `SentenceTransformer(folder, trust_remote_code=True)`: the export's own sentence vectors."
     check_sentence_transformers(folder)
-    from sentence_transformers import SentenceTransformer
+    from sentence_transformers import SentenceTransformer   # deferred: optional extra (captionbert[doors])
     return SentenceTransformer(str(folder), trust_remote_code=True, **kw)
 
 # %% ../nbs/02b_doors.ipynb #213a0b56
@@ -133,9 +133,9 @@ def mteb_sts_task(name: str, # a key of benchmark.STS_TASKS
                   sts_dir=None # as for benchmark.load_sts_task
                  ):
     "mteb's own `AbsTaskSTS` over one harness task: its `load_data` reads the pairs with the harness's reader, so mteb scores them offline."
-    from datasets import Dataset, DatasetDict
-    from mteb.abstasks.sts import AbsTaskSTS
-    from mteb.abstasks.task_metadata import TaskMetadata
+    from datasets import Dataset, DatasetDict   # deferred: heavy import (datasets)
+    from mteb.abstasks.sts import AbsTaskSTS   # deferred: optional extra (captionbert[doors])
+    from mteb.abstasks.task_metadata import TaskMetadata   # deferred: optional extra (captionbert[doors])
     d = load_sts_task(name, sts_dir)                  # read (and checked) once, here: the file or the hub revision
     task = d.task
     class _LocalSTS(AbsTaskSTS):
@@ -152,7 +152,7 @@ def mteb_sts_task(name: str, # a key of benchmark.STS_TASKS
 def mteb_scores(model, # an MtebEncoder, or what MtebEncoder wraps (a harness Encoder or an exported folder)
                 tasks: Sequence[str] = ("stsb",), sts_dir=None) -> dict:
     "Per task, the cosine Spearman that mteb's own evaluator gives (`mteb.evaluate` on `mteb_sts_task`; no network, no results cache)."
-    import mteb
+    import mteb   # deferred: optional extra (captionbert[doors])
     w = model if isinstance(model, MtebEncoder) else MtebEncoder(model)
     res = mteb.evaluate(w, [mteb_sts_task(t, sts_dir) for t in tasks], cache=None, raise_error=True, show_progress_bar=False, co2_tracker=False)
     got = {r.task_name: r.scores for r in res.task_results}

@@ -165,7 +165,7 @@ class QuerySetReport:
         return self
     def figure(self):
         "A plotly histogram of query lengths."
-        import plotly.graph_objects as go
+        import plotly.graph_objects as go   # deferred: figures only (plotly)
         e = self.hist_edges
         fig = go.Figure(go.Bar(x=[(a + b) / 2 for a, b in zip(e[:-1], e[1:])], y=self.hist_counts, width=[b - a for a, b in zip(e[:-1], e[1:])]))
         fig.update_layout(title=f"query lengths ({self.n} queries; erank {self.effective_rank:.1f}, mean cos {self.mean_pairwise_cosine:+.3f})",

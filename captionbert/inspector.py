@@ -49,8 +49,8 @@ def routing_view(model, # a routed model: forward(ids, mask, record_routing=True
 class RoutingInspector:
     "Text box, layer slider, arm checkboxes, temperature slider; a heatmap of signed weights, amplitude bars, negative fraction."
     def __init__(self, model, tokenizer, sentence: str = "a small red cube is to the left of a large blue sphere"):
-        import ipywidgets as W
-        import plotly.graph_objects as go
+        import ipywidgets as W   # deferred: the widget only (ipywidgets)
+        import plotly.graph_objects as go   # deferred: figures only (plotly)
         self.model, self.tokenizer = model, tokenizer
         names = list(model.routing_names)
         n_layers = len(getattr(getattr(model, "backbone", model), "blocks", [])) or 1
@@ -84,5 +84,5 @@ class RoutingInspector:
         self.view = v
         return v
     def _ipython_display_(self):
-        from IPython.display import display
+        from IPython.display import display   # deferred: notebook display only (IPython)
         display(self.box)

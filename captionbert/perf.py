@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
 from .core import autocast, pick_device, pick_precision, set_seed
 from .data import LengthBucketSampler, collate, default_captions, load_tokenizer, padding_report, tokenize
@@ -36,7 +37,7 @@ class BertTwin(nn.Module):
     "transformers.BertModel (SDPA, no pooler) with CaptionEncoder's readout, head and output type: mean pool -> Linear -> GELU -> Linear -> L2 normalize."
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
-        from transformers import BertConfig, BertModel
+        from transformers import BertConfig, BertModel   # deferred: heavy import (transformers)
         bad = {k: getattr(cfg, k) for k, want in (("position", "learned"), ("ffn", "dense"), ("readout", "mean")) if getattr(cfg, k) != want}
         if bad: raise ValueError(f"BertTwin matches only the encoder with learned positions, a dense FFN and the mean readout; this config has {bad}. "
                                  "Benchmark that trunk, or give BertTwin the part first.")
@@ -206,7 +207,6 @@ def profile_step(cfg: EncoderConfig, # the architecture to measure
     device = pick_device(device); precision = pick_precision(device, precision); tc = train_cfg or TrainConfig()
     if device.type != "cpu":
         raise ValueError(f"profile_step reads CPU op time; on {device} that times kernel launches, not the kernels. Run it with --device cpu.")
-    from torch.profiler import ProfilerActivity, profile
     models, params = _pair(cfg, device)
     batches = [b.to(device) for b in batches]
     out, loss = {}, step_loss(models, batches, tc)

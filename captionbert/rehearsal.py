@@ -13,12 +13,13 @@ from typing import Sequence
 
 import torch
 
-from .consensus import load_targets
+from .alignment import AlignmentConfig
+from .consensus import build_consensus, load_targets
 from .core import GuardError, atomic_write_json
-from .data import TokenStore, bundled_minilm_path, load_tokenizer
+from .data import TokenStore, bundled_minilm_path, load_tokenizer, open_captions, token_store
 from .encoder import EncoderConfig
 from .teachers import EmbeddingStore, TeacherSpec
-from .train import TrainConfig, assert_same_rows
+from .train import TrainConfig, assert_same_rows, run_consensus_training
 
 # %% auto #0
 __all__ = ['STAGES', 'rss_anon_kb', 'descendants', 'PeakRss', 'save_rehearsal_teacher', 'check_rows', 'run_stage', 'rehearse',
@@ -80,7 +81,7 @@ def save_rehearsal_teacher(folder: str | Path, # where the model and tokenizer g
                            width: int = 768, # hidden size = the target width
                            seed: int = 0) -> list[TeacherSpec]:
     "A tiny random-weight BERT (2 layers, the bundled WordPiece) at the target width, as two teacher views (layer 2 the reference)."
-    from transformers import AutoTokenizer, BertConfig, BertModel
+    from transformers import AutoTokenizer, BertConfig, BertModel   # deferred: heavy import (transformers)
     folder = Path(folder)
     if not (folder / "config.json").exists():
         torch.manual_seed(seed)
@@ -106,7 +107,6 @@ def _spec(rows: int) -> str: return f"synthetic:{rows}"   # one caption spec for
 
 def _configs(rows: int, fit_rows: int, shard_size: int, steps: int, batch_size: int):
     "The AlignmentConfig (04) and TrainConfig (05) of a rehearsal at `rows`."
-    from captionbert.alignment import AlignmentConfig
     acfg = AlignmentConfig(name="rehearsal", captions=_spec(rows), fit_n_over_d=min(fit_rows, rows // 2) / 768,
                            eval_rows=min(2048, rows // 8), shard_size=shard_size, batch_size=256)
     tcfg = TrainConfig(name="rehearsal", encoder="tiny", alignment="smoke", batch_size=batch_size, max_steps=steps,
@@ -120,16 +120,13 @@ def run_stage(stage: str, # one of STAGES
     "One stage of the rehearsal in this process, through the workbook's own entry points; returns what it reports."
     out = Path(out); acfg, tcfg = _configs(rows, fit_rows, shard_size, steps, batch_size)
     if stage == "tokens":                                    # the memory-mapped store 04 and 05 find in the cache
-        from captionbert.data import open_captions, token_store
         store = token_store(open_captions(_spec(rows)), load_tokenizer(), progress=False)
         return {"rows": len(store), "folder": str(store.folder)}
     if stage == "consensus":                                 # 04's entry point, consuming the torchrun stage's merged store
-        from captionbert.consensus import build_consensus
         specs = [TeacherSpec(**s) for s in json.loads((out / "specs.json").read_text())]
         tg = build_consensus(acfg, out / "targets", device="cpu", progress=False, embeddings=out / "embeddings", specs=specs)
         return {"rows": tg.n_rows, "frame": tg.frame, "timings_s": tg.manifest["timings_s"]}
     if stage == "train":                                     # 05's entry point on those targets
-        from captionbert.train import run_consensus_training
         job = run_consensus_training(seed, "smoke", out / "run", str(out / "targets"), device="cpu", resume=False, progress=False,
                                      train_config=tcfg, encoder_config=EncoderConfig.tiny())
         return {"completed": bool(job.result.completed), "end_step": job.result.end_step, "train_rows": int(len(job.train_rows))}

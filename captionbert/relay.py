@@ -14,7 +14,7 @@ __all__ = ['GATE_REACH_RATIO', 'QWEN25_VOCAB', 'QWEN25_05B', 'QWEN25_15B', 'WIKI
            'minilm_token_vectors', 'fit_token_map', 'map_top1', 'token_map_study', 'load_hub_lm', 'lm_eval_scores']
 
 # %% ../nbs/12_relay.ipynb #6a1b3662
-import copy, dataclasses, math, re
+import contextlib, copy, dataclasses, hashlib, math, re
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -22,10 +22,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from .routers import sinh_route
-from .core import GuardError, RunDir, set_seed, to_jsonable
-from .data import HUB_SPEC, TokenStore, collate, tokenizer_fingerprint
+from .core import GuardError, PRECISIONS, RunDir, set_seed, to_jsonable
+from .data import HUB_SPEC, TokenStore, bundled_minilm_path, collate, tokenizer_fingerprint
 from .stats import N_BOOT, bootstrap_interval, paired_verdict, unit_index, wilson95
 from .train import BatchPlan, TrainConfig, check_resume_config, latest_checkpoint, load_checkpoint, summed_lr, train
 
@@ -44,7 +45,7 @@ class LMShape:
     def qwen2_config(self, vocab_size: int, # V: the tokenizer's vocabulary
                      pad_id: int = 0, bos_id: int = 1, eos_id: int = 2):
         "The transformers Qwen2Config of this shape."
-        from transformers import Qwen2Config
+        from transformers import Qwen2Config   # deferred: heavy import (transformers)
         return Qwen2Config(vocab_size=vocab_size, hidden_size=self.hidden, num_hidden_layers=self.layers,
                            num_attention_heads=self.heads, num_key_value_heads=self.kv_heads, intermediate_size=self.ffn,
                            max_position_embeddings=self.max_positions, rope_theta=self.rope_theta, tie_word_embeddings=self.tied,
@@ -210,8 +211,8 @@ def train_bpe(texts: Sequence[str], # the training captions (held-out rows exclu
               min_frequency: int = 2 # a merge must be seen this often
              ):
     "A lowercasing byte-level BPE tokenizer trained on `texts`, adding <bos> ... <eos>; a PreTrainedTokenizerFast."
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers   # deferred: with transformers (BPE training only)
+    from transformers import PreTrainedTokenizerFast   # deferred: heavy import (transformers)
     if len(texts) == 0: raise ValueError("train_bpe needs at least one text")
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
@@ -269,7 +270,7 @@ def perplexity(model, store: TokenStore, # the tokenized corpus
 
 def build_lm(shape: LMShape, tokenizer, seed: int = 0):
     "A freshly initialised Qwen2ForCausalLM of `shape` for `tokenizer` (seeded)."
-    from transformers import Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM   # deferred: heavy import (transformers)
     set_seed(seed)
     return Qwen2ForCausalLM(shape.qwen2_config(len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id))
 
@@ -336,7 +337,6 @@ class Relay(nn.Module):
 @torch.no_grad()
 def weights_fingerprint(model: nn.Module) -> str:
     "sha256 over every parameter's name, dtype, shape and bytes: which weights these are (one moved entry changes it)."
-    import hashlib
     h = hashlib.sha256()
     for name, p in model.named_parameters():
         t = p.detach().contiguous().cpu()
@@ -390,7 +390,6 @@ class RelayModel(nn.Module):
         return self.base(input_ids=input_ids, attention_mask=attention_mask, **kw)
     def relays_off(self):
         "A context in which every relay is bypassed (the frozen model)."
-        import contextlib
         @contextlib.contextmanager
         def ctx():
             was, self.active = self.active, False
@@ -676,8 +675,6 @@ def shared_word_pairs(wordpiece, # the WordPiece tokenizer (bert-base-uncased)
 
 def minilm_token_vectors() -> torch.Tensor:
     "[30522, 384] the input token embeddings of the bundled all-MiniLM-L6-v2 (the WordPiece side's own model)."
-    from safetensors.torch import load_file
-    from captionbert.data import bundled_minilm_path
     state = load_file(str(bundled_minilm_path() / "model.safetensors"))
     key = next(k for k in state if k.endswith("embeddings.word_embeddings.weight"))
     return state[key].float()
@@ -732,10 +729,9 @@ def token_map_study(pairs: Sequence[tuple], # (word, source id, target id), e.g.
 def load_hub_lm(name: str, # a hub causal LM, e.g. "Qwen/Qwen2.5-0.5B"
                 device=None, dtype: str = "bf16"):
     "(model, tokenizer) of a hub causal LM (a network download on first use)."
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from captionbert.core import PRECISIONS
-    import transformers
-    from packaging.version import Version
+    from transformers import AutoModelForCausalLM, AutoTokenizer   # deferred: heavy import (transformers)
+    import transformers   # deferred: heavy import (transformers)
+    from packaging.version import Version   # deferred: with transformers (packaging comes with it; not a declared dependency)
     key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"   # `dtype=` is new in 4.56; older read torch_dtype
     model = AutoModelForCausalLM.from_pretrained(name, **{key: PRECISIONS[dtype]})
     return (model.to(device) if device is not None else model), AutoTokenizer.from_pretrained(name)
@@ -744,8 +740,8 @@ def lm_eval_scores(model, tokenizer, tasks: Sequence[str], # lm-evaluation-harne
                    batch_size: int = 16, limit: Optional[int] = None) -> dict:
     "{task: accuracy} from lm-evaluation-harness on an in-memory model (relays act if they are on)."
     try:
-        import lm_eval
-        from lm_eval.models.huggingface import HFLM
+        import lm_eval   # deferred: optional extra (captionbert[relay])
+        from lm_eval.models.huggingface import HFLM   # deferred: optional extra (captionbert[relay])
     except ImportError as e:
         raise ImportError("transfer tasks need lm-evaluation-harness: `pip install 'captionbert[relay]'` or `pip install lm-eval` "
                           "(the published preset's dependency)") from e

@@ -293,7 +293,7 @@ def show_findings(section: str, # the notebook's stem
                  f"{RESULTS_DIR}/{section}-cpu-seed<seed>.json, and `python -m captionbert.report` renders it into {FINDINGS_DIR}/{section}.md.")
     text = "\n\n".join(parts)
     try:
-        from IPython.display import Markdown, display
+        from IPython.display import Markdown, display   # deferred: notebook display only (IPython)
         if "ipykernel" in sys.modules: display(Markdown(text))
         else: print(text)
     except ImportError: print(text)

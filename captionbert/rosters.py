@@ -83,8 +83,8 @@ def roster_table(reports: Sequence[dict]) -> str:
 
 def roster_figure(reports: Sequence[dict], title: str = "roster explorer"):
     "Plotly: per roster, the members' harness mean and dev (bars) and the pairwise out-of-sample R@1 (heatmap, cosine in the text)."
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
+    import plotly.graph_objects as go   # deferred: figures only (plotly)
+    from plotly.subplots import make_subplots   # deferred: figures only (plotly)
     n = len(reports)
     fig = make_subplots(rows=2, cols=n, vertical_spacing=0.16, subplot_titles=[f"{r['roster']}: consensus erank {r['consensus_effective_rank']:.0f} "
                         f"vs ref {r['reference_effective_rank']:.0f}" for r in reports] + ["R@1 out of sample (row → column frame)"] * n)

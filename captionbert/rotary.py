@@ -18,11 +18,19 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
-from .benchmark import DEV_TASKS, TASK_NAMES
-from .core import GuardError, Presets, member_of, read_lines
-from .encoder import CaptionEncoder, EncoderConfig, n_params
+from .alignment import AlignmentConfig
+from .benchmark import DEV_TASKS, StudentEncoder, TASK_NAMES, evaluate
+from .consensus import consensus
+from .core import GuardError, Presets, RunDir, member_of, pick_device, pick_precision, read_lines, set_seed, sha256_bytes, to_jsonable
+from .data import collate, find_data, load_tokenizer, stratified_sample, token_store
+from .encoder import CaptionEncoder, EncoderConfig, check_binding_precision, n_params, pointer_targets, wordpiece_kinds
 from .gauges import effective_rank, self_cosine
+from .perf import caption_batches, pair_step_benchmark
+from .teachers import load_teachers, roster
+from .train import (ConsensusRun, TrainConfig, TrainResult, assert_same_rows, caption_source, config_changes, latest_checkpoint,
+                               load_checkpoint, resolve_targets, run_consensus_training, run_rows)
 
 # %% ../nbs/11_rotary.ipynb #790b7bbe
 OPTIONS = {   # option -> (what it is, its EncoderConfig flags on top of the size's architecture)
@@ -91,7 +99,6 @@ class RotaryConfig(Presets):
         if self.tie < 0: raise ValueError(f"the tie band is a width, got {self.tie}")
     def train_config(self, option: str = "relative", **kw):
         "The TrainConfig every option trains with: the 05_train preset with this size's recipe on top (the same for every option)."
-        from captionbert.train import TrainConfig
         return dataclasses.replace(TrainConfig.preset(self.train_preset, **{**dict(self.recipe), **kw}), name=f"rotary-{option_of(option)}-{self.name}")
     def encoder_config(self, option: str, # an option or preset name
                        out_dim: int = 768, # the targets' width
@@ -108,10 +115,6 @@ def completed_option_run(cfg: RotaryConfig, # the study's size
                          targets: str = "auto", # the study's targets spec (a folder is checked against the run's)
                          device=None, max_steps: Optional[int] = None, **encoder_overrides):
     "A complete run of the option read back (final weights, targets, corpus, rows), checked to be this study's run; None when it is not complete."
-    from captionbert.core import RunDir, pick_device, sha256_bytes, to_jsonable
-    from captionbert.data import load_tokenizer, token_store
-    from captionbert.train import (ConsensusRun, TrainResult, assert_same_rows, caption_source, config_changes, latest_checkpoint,
-                                   load_checkpoint, resolve_targets, run_rows)
     run_dir = Path(run_dir)
     if not (run_dir / RunDir.CONFIG).exists(): return None
     run = RunDir(run_dir); ck_path = latest_checkpoint(run)
@@ -139,7 +142,6 @@ def completed_option_run(cfg: RotaryConfig, # the study's size
     final = run.path / "checkpoints" / "final.safetensors"
     run.verify(final)
     model = CaptionEncoder(EncoderConfig(**rc["encoder"]))
-    from safetensors.torch import load_file
     model.load_state_dict(load_file(str(final)))
     step = int(ck["step"])
     return ConsensusRun(rc["preset"], seed, tc, run, model.to(pick_device(device)), tg, corpus, rows.train, rows.eval,
@@ -149,7 +151,6 @@ def check_option_precision(enc: EncoderConfig, # the option's encoder
                            precision: str # the run's resolved precision (core.pick_precision)
                           ):
     "Refuse a binding option under fp16 before anything is read (the one loop refuses it again where the model meets the scaler)."
-    from captionbert.encoder import check_binding_precision
     check_binding_precision(enc, precision)
 
 def train_option_run(cfg: RotaryConfig, # the study's size
@@ -161,10 +162,8 @@ def train_option_run(cfg: RotaryConfig, # the study's size
                      **encoder_overrides # further EncoderConfig flags
                     ):
     "Train one option at one seed on the one loop with the size's recipe (or read back its complete run); returns the ConsensusRun."
-    from captionbert.train import run_consensus_training
     tc = cfg.train_config(option, **({"max_steps": int(max_steps)} if max_steps else {}))
     enc = cfg.encoder_config(option, **encoder_overrides)
-    from captionbert.core import pick_device, pick_precision
     check_option_precision(enc, pick_precision(pick_device(device), tc.precision))   # before anything is read or trained
     job = completed_option_run(cfg, option, seed, run_dir, targets, device, max_steps, **encoder_overrides)
     if job is None:
@@ -180,7 +179,6 @@ def study_held_out(jobs: dict, # (option, seed) -> ConsensusRun: every run of th
                    split_seed: int = 0 # the study's split seed (never a training seed)
                   ) -> np.ndarray:
     "Sorted corpus ids of a length-stratified sample of rows no run of the study trained on, drawn with the study's split seed."
-    from captionbert.data import stratified_sample
     sizes = {len(j.corpus) for j in jobs.values()}
     if len(sizes) != 1: raise ValueError(f"the study's runs read corpora of {sorted(sizes)} rows: one study, one corpus")
     lengths = np.asarray(next(iter(jobs.values())).corpus.lengths)
@@ -223,7 +221,6 @@ def score_option(model: CaptionEncoder, # a trained option
                  tokenizer, cfg: RotaryConfig, name: str, # the row's name in the results
                  sts_dir=None, seed: Optional[int] = None) -> dict:
     "The harness at each of the size's token ceilings, on the test sets and the dev set: {tokens: results dict}."
-    from captionbert.benchmark import StudentEncoder, evaluate
     tasks = list(cfg.tasks) + [cfg.dev_task]
     return {n: evaluate(StudentEncoder(model, tokenizer, name=f"{name} @{n}", max_length=n), tasks, sts_dir=sts_dir, progress=False, seed=seed,
                         extra={"max_tokens": n, "params": n_params(model)}) for n in cfg.eval_tokens}
@@ -265,8 +262,6 @@ def lookup_probe(model: CaptionEncoder, # any encoder: the probe reads its block
                  layer: int = 0, head: int = 0, # the designated head (a binding config's lookup_layer, lookup_head)
                  max_length: int = 256, batch_size: int = 64) -> dict:
     "The designated head's read of the latest earlier occurrence of each repeated word: mean probability and argmax rate."
-    from captionbert.data import collate
-    from captionbert.encoder import pointer_targets, wordpiece_kinds
     was = model.training; model.eval()
     dev = next(model.parameters()).device
     kinds = wordpiece_kinds(model.config.vocab_size).to(dev)
@@ -287,9 +282,6 @@ def lookup_probe(model: CaptionEncoder, # any encoder: the probe reads its block
 def consensus_of(targets, # ConsensusTargets: their roster and maps are used
                  texts: Sequence[str], device=None) -> torch.Tensor:
     "Consensus targets [N, D] of new texts, made as the stored ones were: the targets' roster, their alignment maps, the centroid."
-    from captionbert.alignment import AlignmentConfig
-    from captionbert.consensus import consensus
-    from captionbert.teachers import load_teachers, roster
     maps, raw = targets.maps(), {}
     for g in load_teachers(roster(AlignmentConfig(**targets.manifest["config"]).roster), device=device): raw.update(g.encode(list(texts)))
     missing = sorted(set(maps) - set(raw))
@@ -300,7 +292,6 @@ def option_geometry(model: CaptionEncoder, tokenizer, texts: Sequence[str], # th
                     targets: torch.Tensor, # [N, D] their consensus targets
                     max_length: int = 256) -> dict:
     "Teacher cosine, participation rank and self cosine of the model's sentence vectors on a sample (the card's geometry)."
-    from captionbert.benchmark import StudentEncoder
     emb = StudentEncoder(model, tokenizer, max_length=max_length).encode(list(texts))   # [N, O], L2-normalized
     if emb.shape != targets.shape: raise ValueError(f"{emb.shape[0]} sentence vectors of width {emb.shape[1]} against targets {tuple(targets.shape)}")
     return {"n": len(texts), "teacher_cosine": float((emb.double() * F.normalize(targets.double(), dim=-1)).sum(-1).mean()),
@@ -313,7 +304,6 @@ def long_captions(tokenizer, n: int, # how many
                   path=None, # a text file, one caption a line; None: $CAPTIONBERT_LONG_CAPTIONS, else the development copy
                   seed: int = 0) -> tuple:
     "(a deterministic sample of long captions, None) or ([], the reason none could be had)."
-    from captionbert.data import find_data
     p = Path(path) if path else find_data(LONG_CAPTIONS_VAR, "captions/stanford_paragraphs_valtest.txt")
     if p is None or not Path(p).is_file():
         return [], (f"no long-caption file: set {LONG_CAPTIONS_VAR} to a text file of long captions, one a line "
@@ -329,8 +319,6 @@ def long_captions(tokenizer, n: int, # how many
 def step_ratio(cfg: RotaryConfig, # the study's size: its architecture, heads and step-benchmark batches
                device=None, precision: Optional[str] = None) -> dict:
     "Relative rotary (scale 4) against learned positions, seeded alike, at the size: perf.pair_step_benchmark's figures (one run: print, never assert)."
-    from captionbert.core import set_seed
-    from captionbert.perf import caption_batches, pair_step_benchmark
     models = {}
     for opt in ("relative", "learned"): set_seed(0); models[opt] = CaptionEncoder(cfg.encoder_config(opt))
     batches, _, _ = caption_batches(cfg.step_batch, cfg.step_batches)

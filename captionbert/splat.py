@@ -23,6 +23,7 @@ from .encoder import ATTENTION_KINDS, ROUTERS, CaptionEncoder, EncoderConfig, No
 from .data import Batch, collate, sorted_batches
 from .stats import band_verdict
 from .train import TrainConfig, TrainStep, run_consensus_training
+from .report import finding, results_record
 
 # %% auto #0
 __all__ = ['BATTERY_TAU', 'BATTERY_TAUS', 'PUBLISHED', 'CLAIMS', 'CONTROLS', 'PRODUCT_CODE_PUBLISHED', 'BLEND_PUBLISHED',
@@ -829,7 +830,6 @@ def _claim(v: Verdict) -> tuple:
 def _findings(b: dict # {name: Verdict}, every probe of PUBLISHED
              ) -> list:
     "The battery's headline figures (report.finding), each beside its control's."
-    from captionbert.report import finding
     f = []
     x, c = b["product code"].numbers["readback"], b["product code"].control["readback"]
     f += [finding("product_code.readback_one", x[min(x)], "product code: held-out readback, 1 codebook", ".3f", published=PRODUCT_CODE_PUBLISHED[0]),
@@ -867,7 +867,7 @@ def battery_results(result: dict, # print_battery(...)
                     command: Optional[str] = None # the command that reproduces it (None: the battery's own)
                    ) -> dict:
     "The battery as a results record (report.results_record): a verdict per probe against its control, the headline figures, a table of every verdict beside its control's, the tau sweep, and every number in `extra`."
-    from captionbert.report import results_record, table, verdict
+    from captionbert.report import table, verdict   # here, not at the top: the Run section assigns `verdict` and `table` (and _students, screen_table use them as locals)
     if not isinstance(size, str): raise ValueError("battery results: a results record names its preset; run the battery at a named size (a planted BatteryConfig has none)")
     b, sw = result["verdicts"], result["sweep"]
     one = lambda v: {"passed": v.passed, "control_passed": v.control_passed, "control_is": CONTROLS[v.probe], "bar": v.bar, "tau": v.tau,

@@ -6,7 +6,7 @@ ONNX, GloVe word vectors), mean-pooled embedding, and sharded, resumable embeddi
 # %% ../nbs/01a_teachers.ipynb #da61c72f
 from __future__ import annotations
 
-import dataclasses, functools, importlib, importlib.metadata, json, os, re, shutil, tempfile, time, types
+import argparse, dataclasses, datetime, functools, importlib, importlib.metadata, json, os, re, shutil, tempfile, time, types
 from pathlib import Path
 from typing import Sequence
 
@@ -697,7 +697,6 @@ def _store_summary(store: EmbeddingStore) -> dict:
 
 def main(argv: Sequence[str] | None = None):
     "Command-line entry point (torchrun-aware): `embed` a caption source with a roster into a folder, or `merge` (verify) one."
-    import argparse, datetime
     ap = argparse.ArgumentParser(prog="python -m captionbert.teachers",
                                  description="Teacher embedding of a caption corpus into sharded safetensors, across processes with torchrun.")
     sub = ap.add_subparsers(dest="cmd", required=True)

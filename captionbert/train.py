@@ -7,7 +7,7 @@ can be resumed, evaluated, exported and published."""
 # %% ../nbs/05_train.ipynb #02773ed8
 from __future__ import annotations
 
-import contextlib, dataclasses, json, math, os, random, time, warnings
+import argparse, contextlib, dataclasses, json, math, os, random, time, warnings
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -15,13 +15,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from .core import (GuardError, RunDir, atomic_path, atomic_write_bytes, autocast, emit_plan, fault_point, keep_run_locks,
-                              pick_device, pick_precision, set_seed, to_jsonable)
-from .data import Batch, LengthBucketSampler, TokenStore, collate, stratified_sample, token_store
+from .alignment import AlignmentConfig
+from .benchmark import (StudentEncoder, TASK_NAMES, evaluate, evaluate_views, hub_eval_results, load_sts_task, pooled_outputs,
+                                   sts_unavailable)
+from .consensus import corpus_plan, find_targets, load_targets
+from .core import (GuardError, RunDir, atomic_path, atomic_write_bytes, atomic_write_json, autocast, code_version, emit_plan, fault_point,
+                              keep_run_locks, pick_device, pick_precision, resolve_preset, set_seed, sha256_bytes, stage_hash, to_jsonable)
+from .data import (Batch, CAPTIONS_VAR, HubCaptions, LengthBucketSampler, TokenStore, cache_dir, collate, load_tokenizer, reopen_captions,
+                              runs_dir, sorted_batches, stratified_sample, token_store)
+from .encoder import CaptionEncoder, EncoderConfig, backward_aux, check_binding_precision, n_params
 from .gauges import effective_rank, mimicry_r1, query_set_report, self_cosine
+from .hf import export_pretrained, verify_export, write_model_card
+from .teachers import load_teachers, teacher_identities
 
 # %% auto #0
 __all__ = ['TokenizedCorpus', 'RESUME_LOG', 'WHERE_KEYS', 'DECLARED_KEYS', 'TrainConfig', 'summed_lr', 'lr_at', 'BatchPlan',
@@ -69,7 +77,6 @@ class TrainConfig:
     ALIASES = {"published": "v2"}                           # a size name -> the recipe it means here
 
     def __post_init__(self):
-        from captionbert.alignment import AlignmentConfig
         own = AlignmentConfig.preset_roster(self.alignment)
         if self.roster == own: object.__setattr__(self, "roster", None)   # the alignment preset's own roster is the default, named once
         self.alignment_config()                                          # an unknown roster raises here, listing teachers.ROSTERS
@@ -81,7 +88,6 @@ class TrainConfig:
         object.__setattr__(self, "lr_scales", scales)
     def alignment_config(self):
         "The AlignmentConfig the targets of this run are built with: the alignment preset, on this run's roster, accepting its accepted rows."
-        from captionbert.alignment import AlignmentConfig
         acfg = AlignmentConfig.preset(self.alignment, roster=self.roster)
         return acfg if self.accept_rows is None else acfg.accepting(self.accept_rows)
     def label(self, recipe: str # the run's recipe (smoke, cpu, v2, ...)
@@ -187,7 +193,6 @@ class TrainStep:
                  device: torch.device, # where the step runs (Adam fused on CUDA)
                  precision: str # fp32 / bf16 / fp16 (fp16: a gradient scaler)
                 ):
-        from captionbert.encoder import CaptionEncoder, check_binding_precision
         for m in model.modules():                               # where a model meets the fp16 scaler: a binding encoder is refused (any wrapper)
             if isinstance(m, CaptionEncoder): check_binding_precision(m.config, precision)
         self.cfg, self.device, self.precision = cfg, device, precision
@@ -202,7 +207,6 @@ class TrainStep:
                  step: int # the global step (0-based): named by the guards and by the chaos test's fault point
                 ) -> tuple:
         "One optimizer step: (loss, metrics, the forward's auxiliary losses {name: (weight, loss)}, the gradient norm before clipping)."
-        from captionbert.encoder import backward_aux
         model.train()
         with autocast(self.device, self.precision):
             loss, metrics = loss_fn(model, batch.to(self.device), global_batch)
@@ -312,7 +316,6 @@ def config_changes(old: dict, # the config the checkpoint was trained under (JSO
 
 def config_defaults() -> dict:
     "The field defaults (as JSON) of the config dataclasses a run config holds, by their key in it: encoder, train."
-    from captionbert.encoder import EncoderConfig
     def defaults(cls):
         return {f.name: to_jsonable(f.default if f.default is not dataclasses.MISSING else f.default_factory())
                 for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
@@ -374,7 +377,6 @@ def train(model: torch.nn.Module, # the model (its parameters that require grad 
     rank, world = _world()
     device = pick_device(device) if not isinstance(device, torch.device) else device
     precision = pick_precision(device, cfg.precision)
-    from captionbert.encoder import CaptionEncoder, check_binding_precision
     for m in model.modules():                                   # where the model meets the fp16 scaler: a binding encoder is refused (any wrapper)
         if isinstance(m, CaptionEncoder): check_binding_precision(m.config, precision)
     run_config = to_jsonable({**(config or {}), "train": cfg})
@@ -432,7 +434,7 @@ def _train_held(model, batches, loss_fn, cfg, run, corpus, evaluate_fn, stop_at,
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     writer = None
     if rank == 0:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter   # deferred: heavy import (tensorboard)
         # purge_step: TensorBoard hides the events a killed process logged at or past the first step this one logs again
         writer = SummaryWriter(str(run.subdir("tensorboard")), purge_step=start + 1 if ck_path is not None else 0)
     end = min(cfg.max_steps, stop_at) if stop_at is not None else cfg.max_steps
@@ -555,7 +557,6 @@ class ConsensusGauges:
         self.texts = list(texts)
     def embed(self, model) -> torch.Tensor:
         "The student's sentence vectors of the held-out rows (the harness's own embedding loop)."
-        from captionbert.benchmark import pooled_outputs
         return pooled_outputs(model, [self.corpus[int(r)] for r in self.rows], self.batch_size)
     def query_set(self, s: torch.Tensor) -> dict:
         "The query-set report of the held-out captions under the student's vectors, and its verdict (LAWS.md law 2)."
@@ -579,15 +580,14 @@ class ConsensusGauges:
 def resolve_targets(spec: str, # "auto", "build", "hub:<dataset>", or a targets folder
                     cfg: TrainConfig, run_dir: Path, expect_frame: Optional[str] = None, device=None):
     "Consensus targets for a run, loaded (or built) and checked against the frame the run declares."
-    from captionbert.consensus import build_consensus, load_targets
-    from captionbert.data import runs_dir
+    from captionbert.consensus import build_consensus   # looked up at call time: the tests spy on consensus.build_consensus
     acfg = cfg.alignment_config()
     if spec in ("auto", "build"):
         folder = runs_dir() / f"consensus-{acfg.label}" if spec == "auto" else Path(run_dir) / "targets"
         # the build made (or reused) for this call, not whatever the folder's alias names by now (another builder may have moved it)
         tg = load_targets(build_consensus(acfg, folder, device=device).folder, expect_frame=expect_frame)
     elif spec.startswith("hub:"):
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import snapshot_download   # deferred: heavy import (huggingface_hub)
         tg = load_targets(snapshot_download(spec[4:], repo_type="dataset"), expect_frame=expect_frame)
     else: tg = load_targets(spec, expect_frame=expect_frame)
     return check_roster(tg, cfg)
@@ -621,7 +621,6 @@ def run_targets(spec: str, # as for resolve_targets
                 declared: Optional[dict] = None, # its config.json, if it has one
                 device=None):
     "A run's targets: in a run directory that declares its own, another roster or alignment is refused before anything is built, and `auto`/`build` read the targets it trained on (never rebuilt; gone, they are refused by name); else resolve_targets."
-    from captionbert.consensus import find_targets
     if declared is None: return resolve_targets(spec, cfg, run.path, device=device)
     changes = declared_changes(declared, cfg)
     if changes:
@@ -643,8 +642,6 @@ def run_targets(spec: str, # as for resolve_targets
 
 def caption_source(targets):
     "The caption source the targets were built from, reopened from their `captions` record (a hub source at its recorded commit)."
-    from captionbert.alignment import AlignmentConfig
-    from captionbert.data import CAPTIONS_VAR, HubCaptions, reopen_captions
     cfg = AlignmentConfig(**targets.manifest["config"])
     rec = targets.manifest.get("captions")
     if rec is not None:                    # the record names the content; a moved file falls back to the configured captions
@@ -757,7 +754,6 @@ def resolve_encoder_config(cfg: TrainConfig, # the run's TrainConfig (its `encod
                            encoder_config=None # the student's EncoderConfig; None: the preset cfg.encoder names
                           ):
     "The student's EncoderConfig: `encoder_config` (or cfg.encoder's preset) with out_dim set to the targets' width."
-    from captionbert.encoder import EncoderConfig
     if encoder_config is None: return EncoderConfig.preset(cfg.encoder, out_dim=out_dim)
     if not isinstance(encoder_config, EncoderConfig): raise TypeError(f"encoder_config must be an EncoderConfig, got {type(encoder_config).__name__}")
     return dataclasses.replace(encoder_config, out_dim=out_dim)
@@ -797,9 +793,6 @@ def run_consensus_training(seed: int = 0, # the run's seed
                            evaluate_extra: Optional[Callable] = None # (model, gauges, step) -> dict, merged into the gauge record at every evaluation
                           ) -> ConsensusRun:
     "Targets -> tokenized captions -> student -> the one training loop (-> the harness); returns the run and the trained model."
-    from captionbert.core import code_version, resolve_preset, sha256_bytes
-    from captionbert.data import load_tokenizer, runs_dir, stratified_sample
-    from captionbert.encoder import CaptionEncoder, n_params
     preset = TrainConfig.canonical(resolve_preset(preset, TrainConfig.PRESETS, published="v2", section="05_train"))
     cfg = resolve_train_config(preset, roster, max_steps, train_config)
     run_path = Path(run_dir) if run_dir else runs_dir(f"05_train-{cfg.label(preset)}-seed{seed}")
@@ -840,10 +833,6 @@ def export_run(run: RunDir, # a completed run
                encoder_config=None # its EncoderConfig; None: the one its config.json records
               ) -> Path:
     "The run's final weights, checked against its manifest, as a Hugging Face folder `<run>/export`."
-    from safetensors.torch import load_file
-    from captionbert.data import load_tokenizer
-    from captionbert.encoder import CaptionEncoder, EncoderConfig
-    from captionbert.hf import export_pretrained
     path = run.verify(run.path / "checkpoints" / "final.safetensors")
     final = CaptionEncoder(encoder_config if encoder_config is not None else EncoderConfig(**run.config["encoder"]))
     final.load_state_dict(load_file(str(path)))
@@ -870,8 +859,6 @@ def export_student(job: ConsensusRun) -> Path:
 
 def export_current(run: RunDir) -> bool:
     "Whether `<run>/export` holds the run's final weights whole: its manifest (an export's last file) verifies, and model.safetensors equals final.safetensors."
-    from safetensors.torch import load_file
-    from captionbert.hf import verify_export
     folder, final = run.path / "export", run.path / "checkpoints" / "final.safetensors"
     try: verify_export(folder); mine, theirs = load_file(str(final)), load_file(str(folder / "model.safetensors"))
     except (OSError, ValueError): return False                          # no manifest yet (a kill before the seal), or a file changed
@@ -882,10 +869,6 @@ def score_student(job: ConsensusRun, # a completed run
                   sts_dir=None, # STS folder (None: CAPTIONBERT_STS_DIR, the development copy, else the hub)
                   device=None) -> dict:
     "Export the run's student and score it on the harness (its scores into the model card too); without STS data, record the skip and why. Writes results/student.json."
-    from captionbert.benchmark import StudentEncoder, evaluate, hub_eval_results, sts_unavailable
-    from captionbert.hf import write_model_card
-    from captionbert.core import code_version
-    from captionbert.encoder import n_params
     folder = export_student(job)
     name = f"student {job.preset} seed{job.seed}"
     extra = {"preset": job.preset, "run": str(job.run.path), "params": n_params(_unwrap(job.model)), "export": str(folder)}
@@ -902,8 +885,7 @@ def score_student(job: ConsensusRun, # a completed run
 
 def scoring_code() -> tuple:
     "The functions that turn a teacher view into harness scores: its loading, forward and pooling, the harness's embed and score path."
-    from captionbert import benchmark as B, gauges as G, teachers as T
-    from captionbert.data import collate, sorted_batches
+    from captionbert import benchmark as B, gauges as G, teachers as T   # modules (their private functions are hashed); here, not at the top: `B` is a batch size in _train_held
     return (T.load_teachers, T.TeacherGroup.__init__, T.TeacherGroup.encode, T.mean_pool, T.load_source, T.convert_onnx_bert,
             T.onnx_bert_weights, T.GloveTokenizer, T.WordVectors, T.load_glove, collate, sorted_batches, autocast,
             B._prepare, B._embed, B._score, B.pair_spearman, B.evaluate_views, G.spearman, G.rankdata, G.effective_rank, G.entropy_effective_rank,
@@ -911,7 +893,6 @@ def scoring_code() -> tuple:
 
 def scoring_code_version() -> str:
     "core.stage_hash of `scoring_code()` with the torch, transformers and numpy versions: what the teacher-score cache is keyed on."
-    from captionbert.core import stage_hash
     return stage_hash(*scoring_code(), libs=("torch", "transformers", "numpy"))
 
 def teacher_cache_key(specs, # the roster (TeacherSpec)
@@ -921,9 +902,6 @@ def teacher_cache_key(specs, # the roster (TeacherSpec)
                       precision: str = "fp32" # fp32 / bf16 / fp16
                      ) -> str:
     "The cache key of a roster's harness results: every task's data sha256, the specs and their weights identity, device, precision, scoring code."
-    from captionbert.benchmark import load_sts_task
-    from captionbert.core import sha256_bytes
-    from captionbert.teachers import teacher_identities
     geo = "stsb" if "stsb" in tasks else "stsb_dev" if "stsb_dev" in tasks else "stsb"      # the harness's geometry sentences
     data = {t: load_sts_task(t, sts_dir).sha256 for t in dict.fromkeys([*tasks, geo])}
     return sha256_bytes(json.dumps({"tasks": list(tasks), "data": data, "teachers": [dataclasses.asdict(s) for s in specs],
@@ -936,10 +914,6 @@ def score_teachers(specs, # the roster (TeacherSpec), e.g. the one the targets w
                    cache_folder=None # where cached results live (None: the harness cache folder)
                   ) -> list[dict]:
     "Harness results of every teacher view, cached under `teacher_cache_key`."
-    from captionbert.benchmark import evaluate_views
-    from captionbert.core import atomic_write_json
-    from captionbert.data import cache_dir
-    from captionbert.teachers import load_teachers
     dev = pick_device(device) if not isinstance(device, torch.device) else device
     prec = pick_precision(dev, precision)
     key = teacher_cache_key(specs, tasks, sts_dir, dev.type, prec)
@@ -956,7 +930,6 @@ def train_memory_estimate(enc_cfg, # an EncoderConfig
                           precision: str = "bf16" # activation precision
                          ) -> dict:
     "An estimate (a formula, not a measurement) of a training step's GPU bytes: 16 B/param + activations of (34 x layers, or with enc_cfg.gradient_checkpointing 34 + 2 x layers) B x tokens x rows x hidden (x2 in fp32)."
-    from captionbert.encoder import CaptionEncoder, n_params
     with torch.device("meta"): params = n_params(CaptionEncoder(enc_cfg))          # counted without allocating a weight
     ckpt = bool(enc_cfg.gradient_checkpointing)
     per_sbh = 34 + 2 * enc_cfg.layers if ckpt else 34 * enc_cfg.layers              # recompute: one layer's activations + every layer's input
@@ -972,12 +945,10 @@ def plan_run(preset: str = "auto", # as for run_consensus_training
              encoder_config=None # as for run_consensus_training: the student's EncoderConfig (out_dim set from the targets)
             ) -> dict:
     "The resolved plan of a training run, computed with no network and no GPU (see core.emit_plan for the shared keys)."
-    from captionbert.core import resolve_preset, sha256_bytes
     name = TrainConfig.canonical(resolve_preset(preset, TrainConfig.PRESETS, published="v2", section="05_train"))
     cfg = resolve_train_config(name, roster, max_steps, train_config)
     acfg = cfg.alignment_config()
     published = acfg.name == "published"
-    from captionbert.consensus import corpus_plan
     corpus = corpus_plan(acfg)            # counted (inspect's manifest, or a local source read here) or declared, and the row check's verdict
     corpus_rows = corpus["rows"]
     split = run_rows(cfg, corpus_rows, seed, data_fraction)      # the run's own decision, counts only (no lengths without the corpus)
@@ -1020,15 +991,12 @@ def accepting_config(preset: str, # as for run_consensus_training
                      accept_rows: Optional[int] # the rows counted that the run accepts (the row check names them); None: none
                     ) -> Optional[TrainConfig]:
     "The preset's TrainConfig accepting `accept_rows` (a train_config for run_consensus_training and plan_run), or None when none is accepted."
-    from captionbert.core import resolve_preset
     if accept_rows is None: return None
     return TrainConfig.preset(TrainConfig.canonical(resolve_preset(preset, TrainConfig.PRESETS, published="v2", section="05_train")),
                               accept_rows=accept_rows)
 
 def main(argv: Optional[Sequence[str]] = None):
     "Command-line entry point (torchrun-aware): train a student on consensus targets, export it, and optionally score it."
-    import argparse
-    from captionbert.benchmark import TASK_NAMES
     ap = argparse.ArgumentParser(prog="python -m captionbert.train", description="Consensus distillation of a CaptionBERT student.")
     ap.add_argument("--seed", type=int, default=0); ap.add_argument("--preset", default="auto")
     ap.add_argument("--run-dir", default=None); ap.add_argument("--targets", default="auto")

@@ -10,7 +10,9 @@ from __future__ import annotations
 from typing import Optional
 
 from .amoe import AmoeModel, PairLoss, PairPlan, backbone_fingerprint
+from .core import RunDir, set_seed
 from .data import FlickrImages, PairSet
+from .train import train
 
 # %% auto #0
 __all__ = ['realign_keys', 'transplant_report']
@@ -21,8 +23,6 @@ def realign_keys(model: AmoeModel, # a library on a (foreign) backbone
                  tokenizer, cfg, run_dir, seed: int = 0, device=None,
                  table: Optional[FlickrImages] = None): # the Flickr table for the train-only guard when the pairs have sources; None: load it
     "Train only the routing keys of every arm (adapters frozen), on the union of the arms' pairs; returns the TrainResult."
-    from captionbert.core import RunDir, set_seed
-    from captionbert.train import train
     ps = list(pairs_by_arm.values())
     if len({p.sources is None for p in ps}) > 1:        # a union that forgot some images could slip held-out pairs past the guard
         raise ValueError(f"pairs with source images and pairs without cannot share one key re-alignment: {[(p.name, p.sources is not None) for p in ps]}")
