@@ -1,11 +1,11 @@
-"""Pure-function tests of captionbert.depth (the notebook's own cells run under tests/test_notebooks.py)."""
+"""Pure-function tests of captionbert.binding and captionbert.depth (the notebooks' own cells run under tests/test_notebooks.py)."""
 import pytest
 import torch
 
 from captionbert.core import GuardError
-from captionbert.depth import (BagOfWords, DepthConfig, above_chance, band_read, binding_holds, binding_items, binding_probe, copied_positions,
-                               copied_rows, depth_gate, model_capacity, place, position_reach, probe_set, seam_positions, spectrum_depths,
-                               spectrum_ends, trained_range)
+from captionbert.binding import (BagOfWords, above_chance, band_read, binding_holds, binding_items, binding_probe, copied_rows, model_capacity,
+                                 place, probe_set, seam_positions, spectrum_depths, spectrum_ends)
+from captionbert.depth import DepthConfig, copied_positions, depth_gate, position_reach, trained_range
 
 
 class _Tok:
