@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .arm import seam_positions
 from .core import GuardError
 from .data import ATTRIBUTE_KINDS, NOUNS, Batch, Scene, SceneGrammar, collate
 from .gauges import effective_rank
@@ -25,9 +26,8 @@ __all__ = ['GRAMMAR_WORDS', 'NEUTRAL_WORDS', 'BINDING_BAR', 'BINDING_LAMBDA', 'R
            'MIN_DEPTHS', 'CONTEXT', 'CHANCE', 'MIN_BAND', 'BindingItem', 'binding_items', 'scene_reads',
            'neutral_captions', 'filler_stream', 'place', 'ProbeSet', 'probe_set', 'read_states', 'BagOfWords',
            'Unmixed', 'PositionOnly', 'shuffled_states', 'binding_holds', 'binding_probe', 'token_table',
-           'token_recoverability', 'grid_rank', 'rank_verdict', 'span_similarity', 'model_capacity', 'copied_rows',
-           'seam_positions', 'above_chance', 'ratio_bars', 'DepthPlan', 'spectrum_depths', 'read_spectrum', 'band_read',
-           'similarity_kept', 'spectrum_ends']
+           'token_recoverability', 'grid_rank', 'rank_verdict', 'span_similarity', 'above_chance', 'ratio_bars',
+           'DepthPlan', 'spectrum_depths', 'read_spectrum', 'band_read', 'similarity_kept', 'spectrum_ends']
 
 # %% ../nbs/09_binding.ipynb #f954ab7a
 @dataclasses.dataclass(frozen=True)
@@ -336,33 +336,6 @@ def span_similarity(states: torch.Tensor, ps: ProbeSet, # states of items placed
         k = min(a1 - a0, b1 - b0)
         cos.append(F.cosine_similarity(states[r, a0:a0 + k], shallow_states[q, b0:b0 + k], dim=-1))
     return float(torch.cat(cos).mean())
-
-def model_capacity(model) -> int:
-    "The positions a model can read, from the model object: a depth model's (engaged: its arm's length), a trunk's position table, a transformers model's."
-    if hasattr(model, "capacity"): return int(model.capacity)                            # DepthModel
-    pos = getattr(model, "positions", None)
-    if isinstance(pos, torch.Tensor): return int(pos.shape[0])                           # PositionOnly: its table
-    if pos is not None and hasattr(pos, "max_positions"): return int(pos.max_positions)  # CaptionEncoder: its position module
-    emb = getattr(getattr(model, "embeddings", None), "position_embeddings", None)
-    if isinstance(emb, nn.Embedding):                                                     # transformers BERT-likes: the table's rows
-        return emb.num_embeddings - (0 if emb.padding_idx is None else emb.padding_idx + 1)   # RoBERTa-likes count from past the pad row
-    cfg = getattr(model, "config", None)
-    for k in ("max_positions", "max_position_embeddings", "n_positions"):
-        if getattr(cfg, k, None): return int(getattr(cfg, k))
-    raise TypeError(f"cannot read how many positions a {type(model).__name__} holds (no capacity, position table or config): give it a `capacity` property")
-
-def copied_rows(trained: int, # positions 0..trained-1 are the trained ones
-                length: int # rows of the extended table
-               ) -> torch.Tensor:
-    "The row of the trained table each extended position copies: itself below `trained`, then 1 + (p - 1) mod (trained - 1) ([CLS]'s row 0 is not tiled)."
-    if trained < 2: raise ValueError(f"trained must be at least 2 (row 0 is [CLS]'s, never tiled), got {trained}")
-    p = torch.arange(length)
-    return torch.where(p < trained, p, 1 + (p - 1) % (trained - 1))
-
-def seam_positions(trained: int, length: int) -> list[int]:
-    "The positions where the copied table restarts its tiling (the first is the trained ceiling itself): the seams of copied_rows, every trained - 1 positions ([CLS]'s row is not tiled: 255 for a 256-row table, where the card counts its dead edges every 256)."
-    r = copied_rows(trained, length)
-    return [int(p) for p in torch.nonzero(r[1:] < r[:-1]).squeeze(1) + 1]
 
 def above_chance(read: float, # a binding read
                  reference: float, # the reference (shallow band) read

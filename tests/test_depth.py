@@ -1,11 +1,12 @@
-"""Pure-function tests of captionbert.binding and captionbert.depth (the notebooks' own cells run under tests/test_notebooks.py)."""
+"""Pure-function tests of captionbert.arm, captionbert.binding and captionbert.depth (the notebooks' own cells run under tests/test_notebooks.py)."""
 import pytest
 import torch
 
 from captionbert.core import GuardError
-from captionbert.binding import (BagOfWords, above_chance, band_read, binding_holds, binding_items, binding_probe, copied_rows, model_capacity,
-                                 place, probe_set, seam_positions, spectrum_depths, spectrum_ends)
-from captionbert.depth import DepthConfig, copied_positions, depth_gate, position_reach, trained_range
+from captionbert.arm import copied_positions, copied_rows, model_capacity, seam_positions
+from captionbert.binding import (BagOfWords, above_chance, band_read, binding_holds, binding_items, binding_probe, place, probe_set, spectrum_depths,
+                                 spectrum_ends)
+from captionbert.depth import DepthConfig, depth_gate, position_reach, trained_range
 
 
 class _Tok:
@@ -196,7 +197,7 @@ def _tiny_bert(seed=0, positions=64, vocab=3000):
 
 
 def test_the_arm_sits_on_a_bert_trunk_through_hooks_and_disengages_exactly():
-    from captionbert.depth import DepthArm, DepthModel
+    from captionbert.arm import DepthArm, DepthModel
     bert, long = _tiny_bert(), torch.randint(1000, 2000, (2, 40))
     arm = DepthArm(bert, trained=16, length=64, rank=4)
     dm = DepthModel(bert, arm)
@@ -215,7 +216,7 @@ def test_the_arm_sits_on_a_bert_trunk_through_hooks_and_disengages_exactly():
 
 
 def test_the_guard_refuses_arms_across_trunk_kinds():
-    from captionbert.depth import DepthArm, DepthModel
+    from captionbert.arm import DepthArm, DepthModel
     from captionbert.encoder import CaptionEncoder, EncoderConfig
     bert, enc = _tiny_bert(), CaptionEncoder(EncoderConfig.tiny()).eval()
     with pytest.raises(GuardError, match="backbone-bound"): DepthModel(enc, DepthArm(bert, 16, 64))
@@ -226,7 +227,7 @@ def test_the_guard_refuses_arms_across_trunk_kinds():
 def test_the_standin_is_minilm_cut_at_its_trained_range():
     from transformers import AutoModel
     from captionbert.data import bundled_minilm_path
-    from captionbert.depth import standin_trunk
+    from captionbert.arm import standin_trunk
     full, si = AutoModel.from_pretrained(str(bundled_minilm_path())).eval(), standin_trunk(20, seed=3)
     P, Pf = si.embeddings.position_embeddings.weight, full.embeddings.position_embeddings.weight
     assert torch.equal(P[:20], Pf[:20]) and torch.equal(P[20:], torch.randn(492, 384, generator=torch.Generator().manual_seed(3)) * 0.02)
@@ -239,7 +240,7 @@ def test_the_standin_is_minilm_cut_at_its_trained_range():
 def test_the_smoke_standin_keeps_minilms_first_blocks():
     from transformers import AutoModel
     from captionbert.data import bundled_minilm_path
-    from captionbert.depth import DepthArm, DepthModel, standin_trunk
+    from captionbert.arm import DepthArm, DepthModel, standin_trunk
     si, one = standin_trunk(20, layers=1), AutoModel.from_pretrained(str(bundled_minilm_path())).eval()
     one.encoder.layer = one.encoder.layer[:1]                                                    # MiniLM's first block alone
     assert (len(si.encoder.layer), si.config.num_hidden_layers, si.standin["source"]) == (1, 1, "all-MiniLM-L6-v2 (bundled), first 1 blocks")
@@ -256,7 +257,8 @@ def test_the_standins_distillation_starts_on_the_depths_to_repair():
     "Born identity, the map leaves nothing to fit inside the cut (trunk and teacher agree there); born random, everything. Catches a map born random."
     from transformers import AutoModel
     from captionbert.data import bundled_minilm_path
-    from captionbert.depth import DepthArm, DepthModel, TokenDistill, standin_trunk
+    from captionbert.arm import DepthArm, DepthModel, standin_trunk
+    from captionbert.depth import TokenDistill
     from captionbert.data import collate
     si, teacher = standin_trunk(20, seed=0), AutoModel.from_pretrained(str(bundled_minilm_path())).eval()
     ids = torch.randint(1000, 2000, (2, 40)); ids[:, 0], ids[:, -1] = 101, 102
@@ -272,7 +274,7 @@ def test_a_depth_arm_on_a_bert_trunk_is_saved_alone_and_read_back_through_the_gu
     "Round trip on the hooks path; a sibling BERT one seed away refused; a file whose tensors do not match its spec refused. Catches a save that drops the adapters."
     from safetensors.torch import load_file, save_file
     from captionbert.data import load_tokenizer
-    from captionbert.depth import DepthArm, DepthModel, load_depth_arm, save_depth_arm
+    from captionbert.arm import DepthArm, DepthModel, load_depth_arm, save_depth_arm
     bert, tok = _tiny_bert(vocab=30522), load_tokenizer()                                     # the workbook's WordPiece ids (the disengage check reads text)
     arm = DepthArm(bert, trained=16, length=64, rank=4, distill_width=16)
     with torch.no_grad(): arm.adapters.up[1].weight.normal_()
