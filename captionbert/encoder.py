@@ -44,7 +44,7 @@ class EncoderConfig:
     readout: str = "mean"            # "mean" over the mask, "cls", or "query" (learned query, born as exact mean)
     ffn: str = "dense"               # a key of FFN_KINDS
     position: str = "learned"        # a key of POSITION_KINDS
-    attention: str = "sdpa"          # a key of ATTENTION_KINDS ("sdpa"; "splat", or "splat:<options>" for the splat block of 10_splat)
+    attention: str = "sdpa"          # a key of ATTENTION_KINDS ("sdpa"; "splat", or "splat:<options>" for the splat block of 10_block)
     rope_base: float = 10000.0       # rotary schemes only
     rope_scale: float = 1.0          # NTK scale, rotary schemes only
     lookup_layer: int = 0            # binding only: the block of the designated lookup head
@@ -281,7 +281,7 @@ def register_attention(kind: str, # the EncoderConfig.attention name (before any
                        check_options=None, # "kind:<options>" -> None, a ValueError for options the kind does not take
                        module: Optional[str] = None # the module that defines it (default build.__module__): `encoder_parts` names it
                       ):
-    "Register an attention kind that a later section defines (10_splat's block registers itself when captionbert.splat is imported)."
+    "Register an attention kind that a later section defines (10_block's splat block registers itself when captionbert.splat_block is imported)."
     held = ATTENTION_KINDS.get(kind)
     if held is not None and getattr(held, "__qualname__", None) != getattr(build, "__qualname__", None):   # its own notebook re-registering is fine
         raise ValueError(f"attention kind {kind!r} is registered already (by {getattr(held, '__qualname__', held)!r})")
@@ -293,13 +293,13 @@ def attention_kind(name: str # an EncoderConfig.attention value: "sdpa", "none",
     "The ATTENTION_KINDS key an `attention` value names; an unknown kind, or an option of a kind that takes none, is a ValueError."
     kind, sep, opts = name.partition(":")
     if kind not in ATTENTION_KINDS: raise ValueError(f"unknown attention {name!r}; registered attention kinds: {sorted(ATTENTION_KINDS)} "
-                                                     "(a later section's kind registers itself when its module is imported, e.g. `import captionbert.splat`)")
+                                                     "(a later section's kind registers itself when its module is imported, e.g. `import captionbert.splat_block`)")
     if kind in ATTENTION_OPTIONS: ATTENTION_OPTIONS[kind](name)   # the kind checks its own options
     elif sep: raise ValueError(f"attention {kind!r} takes no options, got {name!r}")
     return kind
 
 def encoder_parts(cfg: EncoderConfig) -> list:
-    "The modules that define the registered parts `cfg` uses beyond this module (e.g. ['captionbert.splat']): an export records them."
+    "The modules that define the registered parts `cfg` uses beyond this module (e.g. ['captionbert.splat_block']): an export records them."
     return sorted({PART_MODULES["attention", k]} if (k := attention_kind(cfg.attention)) in {a for _, a in PART_MODULES} else set())
 
 def import_parts(parts: list # module names an export recorded (`encoder_parts`)

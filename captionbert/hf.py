@@ -242,7 +242,7 @@ def export_pretrained(model: CaptionEncoder, # the trained encoder
                       card: Optional[dict] = None # facts for the model card: recipe, preset, seed, teachers, corpus, commit, ... (see model_card)
                      ):
     "Write a Hugging Face folder (config.json with auto_map, modeling file, model.safetensors, tokenizer, its model card README.md) for `model`."
-    parts = encoder_parts(model.config)  # the later sections' registered parts the model is built from (e.g. captionbert.splat)
+    parts = encoder_parts(model.config)  # the later sections' registered parts the model is built from (e.g. captionbert.splat_block)
     if remote_code and parts:            # the modeling file carries the foundation only: AutoModel would import captionbert for them
         raise ValueError(f"attention {model.config.attention!r} cannot travel in the modeling file (it is built by {', '.join(parts)}, "
                          "which an AutoModel user does not have): pass remote_code=False for a native folder that "

@@ -11,6 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from captionbert.encoder import ATTENTION_KINDS, CaptionEncoder, EncoderConfig, NoPositions, attention_kind
+from captionbert.splat_block import SplatAttention   # importing the block's module registers the "splat" attention kind
 
 
 class _Shapes(TorchDispatchMode):
@@ -65,14 +66,25 @@ def test_native_export_round_trip():
         folder = export_pretrained(m, load_tokenizer(), Path(tempfile.mkdtemp()) / "splat", remote_code=False)
         config = json.loads((folder / "config.json").read_text())
         assert "auto_map" not in config and not (folder / "modeling_captionbert.py").exists()
+        assert config["captionbert_parts"] == [SplatAttention.__module__] == ["captionbert.splat_block"]   # the module that defines the block
         back = load_pretrained(folder).eval()
         assert back.config.attention == kind
         ids = torch.randint(1000, 2000, (3, 7))
         assert torch.equal(m(ids).pooler_output, back(ids).pooler_output)
 
 
+def test_an_export_naming_either_splat_module_registers_the_block():
+    "A fresh interpreter that imports the part module an export recorded gets the splat kind: captionbert.splat_block (recorded now) and captionbert.splat (recorded by exports made before the block had its own notebook, which imports it)."
+    import subprocess, sys
+    for part in ("captionbert.splat_block", "captionbert.splat"):
+        code = ("from captionbert.encoder import ATTENTION_KINDS, import_parts; assert 'splat' not in ATTENTION_KINDS; "
+                f"import_parts([{part!r}]); assert ATTENTION_KINDS['splat'].__module__ == 'captionbert.splat_block', ATTENTION_KINDS")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+        assert r.returncode == 0, (part, r.stderr[-2000:])
+
+
 def test_the_screens_arms_differ_only_in_attention():
-    from captionbert.splat import SCREEN_ARMS, ScreenConfig
+    from captionbert.splat_block import SCREEN_ARMS, ScreenConfig
     for size in ScreenConfig.PRESETS:
         cfg = ScreenConfig.preset(size)
         encs = {arm: cfg.encoder_config(arm) for arm in cfg.arms}
@@ -85,7 +97,8 @@ def test_the_screens_arms_differ_only_in_attention():
 def test_the_sizes_come_from_core_presets():
     "Both configs of 10 dispatch through core.Presets: an unknown name is refused listing the names, and the battery's sizes keep the values they had as a dict."
     from captionbert.core import Presets
-    from captionbert.splat import BatteryConfig, ScreenConfig, battery_size
+    from captionbert.splat import BatteryConfig, battery_size
+    from captionbert.splat_block import ScreenConfig
     assert issubclass(ScreenConfig, Presets) and issubclass(BatteryConfig, Presets)
     with pytest.raises(ValueError, match=r"unknown screen size 'v2': one of \['smoke', 'cpu'\]"): ScreenConfig.preset("v2")
     with pytest.raises(ValueError, match=r"unknown battery size 'tiny': one of \['smoke', 'cpu', 'published'\]"): battery_size("tiny")
