@@ -9,8 +9,10 @@ import torch
 
 from captionbert.core import GuardError
 from captionbert.data import FlickrImages, open_captions
-from captionbert.relay import (LMShape, RelayConfig, RelayModel, check_teacher_ahead, document_ids, gate_travel_needed, heldout_split,
-                               map_verdict, placement_reading, relay_verdict, weights_fingerprint)
+from captionbert.causal_lm import LMShape, document_ids, heldout_split
+from captionbert.relay import (RelayConfig, RelayModel, check_teacher_ahead, gate_travel_needed, placement_reading, relay_verdict,
+                               weights_fingerprint)
+from captionbert.token_map import map_verdict
 
 
 def test_published_corpus_spec_names_wikitext_103():
