@@ -33,8 +33,7 @@ def _f64(x) -> torch.Tensor:
 def _centered_cov(x) -> torch.Tensor:
     x = _f64(x)
     if x.shape[0] < 2: raise ValueError(f"effective rank needs at least 2 rows, got {x.shape[0]}")
-    xc = x - x.mean(0, keepdim=True)
-    return xc.T @ xc / (x.shape[0] - 1)                       # [D, D]
+    return torch.cov(x.T).reshape(x.shape[1], x.shape[1])    # [D, D]; torch.cov takes variables as rows (a 1-wide x gives a 0-d tensor)
 
 def effective_rank(x # [N, D] embeddings
                   ) -> float:
@@ -190,15 +189,9 @@ def query_set_report(texts: Sequence[str], # the queries
 
 # %% ../nbs/00a_gauges.ipynb #63cff9ed
 def rankdata(a) -> np.ndarray:
-    "Average ranks (1-based) of a 1-D array; ties share the mean of the ranks they span."
-    a = np.asarray(a, dtype=np.float64)
-    order = np.argsort(a, kind="mergesort")
-    ranks = np.empty(len(a), dtype=np.float64)
-    sa = a[order]
-    starts = np.flatnonzero(np.r_[True, sa[1:] != sa[:-1]])
-    ends = np.r_[starts[1:], len(a)]
-    for s, e in zip(starts, ends): ranks[order[s:e]] = (s + e + 1) / 2
-    return ranks
+    "Average ranks (1-based) of a 1-D array; ties share the mean of the ranks they span (scipy.stats.rankdata)."
+    from scipy.stats import rankdata as scipy_rankdata      # here, not at the top: importing scipy.stats costs ~1.5 s
+    return scipy_rankdata(np.asarray(a, dtype=np.float64), method="average")
 
 def spearman(a, # 1-D scores
              b # 1-D scores, same length
