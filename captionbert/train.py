@@ -889,11 +889,11 @@ def scoring_code() -> tuple:
     return (T.load_teachers, T.TeacherGroup.__init__, T.TeacherGroup.encode, T.mean_pool, T.load_source, T.convert_onnx_bert,
             T.onnx_bert_weights, T.GloveTokenizer, T.WordVectors, T.load_glove, collate, sorted_batches, autocast,
             B._prepare, B._embed, B._score, B.pair_spearman, B.evaluate_views, G.spearman, G.rankdata, G.effective_rank, G.entropy_effective_rank,
-            G.self_cosine, G.simplex_cv)
+            G.self_cosine, G.simplex_cv, G._centered_cov)
 
 def scoring_code_version() -> str:
-    "core.stage_hash of `scoring_code()` with the torch, transformers and numpy versions: what the teacher-score cache is keyed on."
-    return stage_hash(*scoring_code(), libs=("torch", "transformers", "numpy"))
+    "core.stage_hash of `scoring_code()` with the torch, transformers, numpy and scipy versions: what the teacher-score cache is keyed on."
+    return stage_hash(*scoring_code(), libs=("torch", "transformers", "numpy", "scipy"))   # scipy: gauges.rankdata
 
 def teacher_cache_key(specs, # the roster (TeacherSpec)
                       tasks: Sequence[str], # harness tasks
