@@ -26,7 +26,8 @@ from safetensors.torch import load_file
 
 from .routers import sinh_route
 from .core import GuardError, PRECISIONS, RunDir, set_seed, to_jsonable
-from .data import HUB_SPEC, TokenStore, bundled_minilm_path, collate, tokenizer_fingerprint
+from .data import TokenStore, bundled_minilm_path, collate, tokenizer_fingerprint
+from .sources import HUB_SPEC
 from .stats import N_BOOT, bootstrap_interval, paired_verdict, unit_index, wilson95
 from .train import BatchPlan, TrainConfig, check_resume_config, latest_checkpoint, load_checkpoint, summed_lr, train
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from captionbert.core import GuardError
-from captionbert.data import FlickrImages, open_captions
+from captionbert.pairs import FlickrImages
+from captionbert.sources import open_captions
 from captionbert.relay import (LMShape, RelayConfig, RelayModel, check_teacher_ahead, document_ids, gate_travel_needed, heldout_split,
                                map_verdict, placement_reading, relay_verdict, weights_fingerprint)
 
