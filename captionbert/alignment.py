@@ -17,7 +17,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .core import SIZES, GuardError, atomic_path, resolve_preset, sha256_bytes
-from .data import default_captions, open_captions, stratified_sample
+from .data import stratified_sample
+from .sources import default_captions, open_captions
 from .gauges import QuerySetReport, query_set_report, retrieval_r1
 from .teachers import ROSTERS
 
@@ -319,7 +320,7 @@ def frame_fingerprint(maps: dict # teacher -> AlignmentMap
 #   image) in one train split, one train.jsonl.gz of 3.58 GB. Its columns include caption_llava, caption_llava_short
 #   and caption (the alt-text), and url. One column holds ~11M rows; with "36m extractions" this suggests several
 #   columns flattened, about 3 an image (3 x 10,965,172 = 32,895,516 cells, 989,900 more than 31,905,616).
-# PUBLISHED_CAPTIONS is that hypothesis, not a fact: three columns, flattened in the order named (data.FLAT_IDS).
+# PUBLISHED_CAPTIONS is that hypothesis, not a fact: three columns, flattened in the order named (sources.FLAT_IDS).
 # Which columns, in what order, and how empty cells were treated are not known here. `python -m captionbert.consensus
 # inspect --source <spec>` counts a spec where the hub is. The row check (consensus.check_corpus_rows) builds on it
 # only when it holds 31,905,616 rows, or when the user accepts the count it holds (--accept-rows N).

@@ -20,8 +20,9 @@ from safetensors.torch import save_file
 from .alignment import AlignmentConfig
 from .benchmark import DEV_TASKS, TASK_NAMES
 from .core import GuardError, Presets, RunDir, atomic_path, read_safetensors, set_seed, sha256_bytes, to_jsonable
-from .data import (Batch, FlickrImages, PairSet, RELATIONS, SceneGrammar, Scene, SceneObject, assert_no_held_out_text, assert_train_only,
-                              caption_pairs, collate, flickr_unavailable, load_flickr_images, load_tokenizer, runs_dir, sorted_batches)
+from .data import Batch, collate, load_tokenizer, runs_dir, sorted_batches
+from .pairs import FlickrImages, PairSet, assert_no_held_out_text, assert_train_only, caption_pairs, flickr_unavailable, load_flickr_images
+from .sources import RELATIONS, SceneGrammar, Scene, SceneObject
 from .encoder import CaptionEncoder, EncoderConfig, n_params, set_residual_hook
 from .routers import sinh_route
 from .train import TrainConfig, _world, config_changes, plan_run, resolve_encoder_config, train

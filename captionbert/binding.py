@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from .arm import seam_positions
 from .core import GuardError
-from .data import ATTRIBUTE_KINDS, NOUNS, Batch, Scene, SceneGrammar, collate
+from .data import Batch, collate
+from .sources import ATTRIBUTE_KINDS, NOUNS, Scene, SceneGrammar
 from .gauges import effective_rank
 from .stats import bootstrap_interval
 
@@ -37,7 +38,7 @@ class BindingItem:
     seed: int                 # the grammar's seed
     a: Scene                  # the scene as drawn (first two objects, first relation)
     b: Scene                  # the same scene, the two objects' `kind` values swapped
-    kind: str = "colour"      # the attribute kind that is swapped (a kind of data.ATTRIBUTE_KINDS)
+    kind: str = "colour"      # the attribute kind that is swapped (a kind of sources.ATTRIBUTE_KINDS)
     def sides(self) -> tuple: return (self.a, self.b)
     def __repr__(self): return f"BindingItem(row {self.row}: {self.a.text!r} / {self.b.text!r})"
 
@@ -123,7 +124,7 @@ class ProbeSet:
     batch: Batch                 # [2N, L] right-padded; batch.rows = 2 * item row + side
     noun_pos: torch.Tensor       # [2N, 2] token position of each object's noun (first piece)
     attr_pos: torch.Tensor       # [2N, 2] token position of each object's bound attribute
-    noun: torch.Tensor           # [2N, 2] each object's noun, as an index into data.NOUNS
+    noun: torch.Tensor           # [2N, 2] each object's noun, as an index into sources.NOUNS
     attr: torch.Tensor           # [2N, 2] each object's attribute, as an index into the kind's values
     span: torch.Tensor           # [2N, 2] the item's first and one-past-last token position
     depth: int

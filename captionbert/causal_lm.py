@@ -51,7 +51,7 @@ QWEN25_15B = LMShape(hidden=1536, layers=28, heads=12, kv_heads=2, ffn=8960, max
 WIKITEXT_TITLE = re.compile(r"= [^=](?:.*[^=])? =")    # a WikiText article's title line, stripped: ' = Title = ' (a section: ' = = Part = = ')
 
 def document_ids(texts: Sequence[str], # the corpus rows, in order
-                 images=None # a data.FlickrImages table: read when it holds every row's text (the rows are Flickr8k captions)
+                 images=None # a pairs.FlickrImages table: read when it holds every row's text (the rows are Flickr8k captions)
                 ) -> tuple:
     "(the document of each row [R], its unit): 'image' (a Flickr8k caption's), 'article' (WikiText title lines), else 'row'."
     if images is not None:

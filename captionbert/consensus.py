@@ -20,7 +20,8 @@ from . import alignment as _alignment
 from .alignment import AlignmentConfig, AlignmentMap, RowEmbeddings, fit_roster, frame_fingerprint, split_rows
 from .core import (GuardError, atomic_path, atomic_write_json, current_umask, folder_lock, pick_device, pick_precision, remove_temporaries,
                               sha256_bytes, sha256_file, stage_hash, stale_temporaries, to_jsonable)
-from .data import CAPTIONS_VAR, TokenStore, cache_dir, load_tokenizer, open_captions, stratified_sample, token_store, tokenize
+from .data import CAPTIONS_VAR, TokenStore, cache_dir, load_tokenizer, stratified_sample, token_store, tokenize
+from .sources import open_captions
 from .gauges import effective_rank
 from .teachers import (EmbeddingStore, TeacherGroup, TeacherSpec, check_teachers, embed_cache_key, embed_cached, reference_member, roster,
                                   safetensors_memmap)
@@ -289,7 +290,7 @@ def repair_gate(store: EmbeddingStore, # the store holding the shard
 PUBLISHED_CHUNKS = 66          # the program's corpus came in 66 chunks: v2 read 54 of them, v2-B all 66 (the chunks' sizes are not published)
 EXPECTED_ROWS = {AlignmentConfig.published().captions: 31_905_616}   # corpus spec -> the rows it is declared to hold (v2-B's corpus; see alignment.PUBLISHED_CAPTIONS)
 
-def source_manifest_path(spec: str # a caption spec as typed (see data.open_captions)
+def source_manifest_path(spec: str # a caption spec as typed (see sources.open_captions)
                         ) -> Path:
     "Where `inspect` keeps what it counted for `spec`, and where the plan and the row check look: cache_dir('sources')/<spec as a name>-<12 hex>.json."
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in spec)[-80:]
@@ -327,10 +328,10 @@ def _identity(d: dict) -> str:
     if d.get("sha256"): return f"{what}{Path(d['path']).name} (sha256 {d['sha256'][:12]})"
     return f"{what}{d.get('spec') or d.get('kind')}"
 
-def inspect_source(spec: str, # a caption spec (data.open_captions): hub or local
+def inspect_source(spec: str, # a caption spec (sources.open_captions): hub or local
                    chunk_size: int | None = None, # chunk rows when the count is not the published one; None: the published preset's shard size
                    out: str | Path | None = None, # where to write the manifest; None: source_manifest_path(spec), where the plan and row check look
-                   resolver=None, loader=None, # hub specs only (see data.HubCaptions): stand-ins for the hub in tests
+                   resolver=None, loader=None, # hub specs only (see sources.HubCaptions): stand-ins for the hub in tests
                    echo=print # where the report goes
                   ) -> dict:
     "Count a caption source in one pass: each column's rows and non-empty cells, the flattened rows, their chunk layout and the resolved revision (or sha256); print them and write the manifest (atomically)."

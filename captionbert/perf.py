@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from .core import autocast, pick_device, pick_precision, set_seed
-from .data import LengthBucketSampler, collate, default_captions, load_tokenizer, padding_report, tokenize
+from .data import LengthBucketSampler, collate, load_tokenizer, padding_report, tokenize
+from .sources import default_captions
 from .encoder import CaptionEncoder, EncoderConfig, EncoderOutput, n_params
 from .teachers import mean_pool
 from .train import ConsensusLoss, TrainConfig, TrainStep

@@ -16,7 +16,8 @@ import torch
 from .alignment import AlignmentConfig
 from .consensus import build_consensus, load_targets
 from .core import GuardError, atomic_write_json
-from .data import TokenStore, bundled_minilm_path, load_tokenizer, open_captions, token_store
+from .data import TokenStore, bundled_minilm_path, load_tokenizer, token_store
+from .sources import open_captions
 from .encoder import EncoderConfig
 from .teachers import EmbeddingStore, TeacherSpec
 from .train import TrainConfig, assert_same_rows, run_consensus_training

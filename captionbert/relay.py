@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from .routers import sinh_route
 from .core import GuardError, PRECISIONS
-from .data import HUB_SPEC, TokenStore, tokenizer_fingerprint
+from .data import TokenStore, tokenizer_fingerprint
+from .sources import HUB_SPEC
 from .stats import N_BOOT, paired_verdict
 from .train import TrainConfig, summed_lr
 from .causal_lm import LMShape, QWEN25_05B, QWEN25_15B, QWEN25_VOCAB, fit, logits_of

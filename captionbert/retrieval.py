@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from .benchmark import DEV_TASKS, TASK_NAMES, Encoder, _embed
 from .core import code_version, sha256_bytes
-from .data import FlickrImages, load_flickr_images
+from .pairs import FlickrImages, load_flickr_images
 from .gauges import query_set_report
 
 # %% auto #0

@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 
 from .core import (GuardError, stage_hash, atomic_path, atomic_write_json, autocast, folder_lock, pick_device, pick_precision,
                               remove_temporaries, sha256_bytes, sha256_file, stale_temporaries)
-from .data import bundled_minilm_path, cache_dir, collate, load_tokenizer, open_captions, sorted_batches
+from .data import bundled_minilm_path, cache_dir, collate, load_tokenizer, sorted_batches
+from .sources import open_captions
 
 # %% auto #0
 __all__ = ['HUB_TEACHERS', 'ROSTERS', 'TEACHERS_EXTRA', 'PARAPHRASE_DIST', 'PARAPHRASE_ONNX', 'GLOVE_MODULE', 'CONVERT_VERSION',

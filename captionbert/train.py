@@ -24,8 +24,9 @@ from .benchmark import (StudentEncoder, TASK_NAMES, evaluate, evaluate_views, hu
 from .consensus import corpus_plan, find_targets, load_targets
 from .core import (GuardError, RunDir, atomic_path, atomic_write_bytes, atomic_write_json, autocast, code_version, emit_plan, fault_point,
                               keep_run_locks, pick_device, pick_precision, resolve_preset, set_seed, sha256_bytes, stage_hash, to_jsonable)
-from .data import (Batch, CAPTIONS_VAR, HubCaptions, LengthBucketSampler, TokenStore, cache_dir, collate, load_tokenizer, reopen_captions,
-                              runs_dir, sorted_batches, stratified_sample, token_store)
+from .data import (Batch, CAPTIONS_VAR, LengthBucketSampler, TokenStore, cache_dir, collate, load_tokenizer, runs_dir, sorted_batches,
+                              stratified_sample, token_store)
+from .sources import HubCaptions, reopen_captions
 from .encoder import CaptionEncoder, EncoderConfig, backward_aux, check_binding_precision, n_params
 from .gauges import effective_rank, mimicry_r1, query_set_report, self_cosine
 from .hf import export_pretrained, verify_export, write_model_card

@@ -11,7 +11,7 @@ from typing import Optional
 
 from .amoe import AmoeModel, PairLoss, PairPlan, backbone_fingerprint
 from .core import RunDir, set_seed
-from .data import FlickrImages, PairSet
+from .pairs import FlickrImages, PairSet
 from .train import train
 
 # %% auto #0

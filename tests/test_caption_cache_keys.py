@@ -2,8 +2,8 @@
 resolver replaced by a stand-in (the library's default path, not an injected argument)."""
 import pytest
 
-import captionbert.data as data
-from captionbert.data import SceneGrammar, open_captions
+import captionbert.sources as sources
+from captionbert.sources import SceneGrammar, open_captions
 from captionbert.teachers import embed_cache_key, roster
 
 
@@ -13,7 +13,7 @@ def hub_heads(monkeypatch):
     heads, asked = {None: "a" * 40, "main": "a" * 40, "v2": "b" * 40}, []
     def fake(name, revision):
         asked.append((name, revision)); return heads.get(revision, revision)
-    monkeypatch.setattr(data, "resolve_hub_revision", fake)
+    monkeypatch.setattr(sources, "resolve_hub_revision", fake)
     return heads, asked
 
 

@@ -190,7 +190,7 @@ def _binding(reader, tok, fit, held, depth=4):
 def _pairs(n, seed, side):
     "n items of two distinct colours, each side built by side(c0, c1, rng)."
     import numpy as np
-    from captionbert.data import COLOURS
+    from captionbert.sources import COLOURS
     from captionbert.binding import BindingItem
     rng = np.random.default_rng(seed)
     return [BindingItem(i, seed, *side(*(COLOURS[int(j)] for j in rng.choice(len(COLOURS), 2, replace=False)), rng)) for i in range(n)]
@@ -198,7 +198,7 @@ def _pairs(n, seed, side):
 
 def test_depth_unmixed_binding_control_can_pass():
     "Planted: minimal pairs whose nouns keep their slots (a <c> dog ... a <c'> cat) and colour i cut into i + 1 pieces: a reader in which no token sees another reads object->attribute .75 (the first noun off its position; the second sits at one position on both sides, exactly chance) and attribute->object 1.0 (the slot names the noun): binding holds at the bar. On grammar items (nouns drawn at random, one piece a word) it fails."
-    from captionbert.data import COLOURS, Scene, SceneObject
+    from captionbert.sources import COLOURS, Scene, SceneObject
     from captionbert.binding import Unmixed, binding_items
     g = torch.Generator().manual_seed(0)
     unmixed = Unmixed(torch.randn(3000, 48, generator=g), torch.randn(96, 48, generator=g))
@@ -213,7 +213,7 @@ def test_depth_unmixed_binding_control_can_pass():
 def test_depth_bag_of_words_binds_items_that_are_not_minimal_pairs():
     "The bag of words is an item check: on minimal pairs it reads exactly .5 on every item (a pair's sides share one bag); planted items that are not minimal pairs (each noun always with its own colour, side b another scene of that pairing) it binds both ways."
     import numpy as np
-    from captionbert.data import COLOURS, NOUNS, Scene, SceneObject
+    from captionbert.sources import COLOURS, NOUNS, Scene, SceneObject
     from captionbert.binding import BagOfWords, BindingItem, binding_items
     bow, tok = BagOfWords(torch.randn(3000, 48, generator=torch.Generator().manual_seed(0))), _Words()
     r = _binding(bow, tok, binding_items(40, seed=5), binding_items(20, seed=6))
@@ -238,7 +238,7 @@ def _sentences(tok, texts):
 def test_depth_position_only_control_can_recover_a_template():
     "Planted: every sentence one template (the same words in the same order): position alone tells the token, and the position-only control recovers it; on varied sentences it fails."
     from captionbert.binding import PositionOnly, read_states, token_recoverability
-    from captionbert.data import NOUNS
+    from captionbert.sources import NOUNS
     tok, table = _Words(), torch.randn(3000, 48, generator=torch.Generator().manual_seed(1))
     po = PositionOnly(torch.randn(64, 48, generator=torch.Generator().manual_seed(2)))
     read = lambda f, h: token_recoverability(read_states(po, f), f, read_states(po, h), h, table, [101, 102])
@@ -252,7 +252,7 @@ def test_depth_position_only_control_can_recover_a_template():
 def test_depth_shuffled_states_control_can_pass_on_rows_of_one_token():
     "Planted: each row repeats one token, so order carries nothing and shuffling a row's states keeps (almost) every token's own state: the shuffled control recovers the tokens; on varied rows it fails."
     from captionbert.binding import shuffled_states, token_recoverability
-    from captionbert.data import NOUNS
+    from captionbert.sources import NOUNS
     tok, table = _Words(), torch.randn(3000, 48, generator=torch.Generator().manual_seed(3))
     states = lambda b: table[b.input_ids] * b.attention_mask[..., None]
     read = lambda f, h: token_recoverability(states(f), f, shuffled_states(states(h), h.attention_mask), h, table, [101, 102])

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from captionbert.alignment import PUBLISHED_CAPTIONS
-from captionbert.data import cc12m_like_rows, write_caption_table
+from captionbert.sources import cc12m_like_rows, write_caption_table
 
 LLAVA = "caption_llava+caption_llava_short+caption"
 

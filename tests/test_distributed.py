@@ -6,7 +6,8 @@ import torch.nn.functional as F
 
 from _dist import one_and_two_processes
 from captionbert.core import RunDir, set_seed
-from captionbert.data import SceneGrammar, load_tokenizer
+from captionbert.data import load_tokenizer
+from captionbert.sources import SceneGrammar
 from captionbert.encoder import CaptionEncoder, EncoderConfig
 from captionbert.train import BatchPlan, ConsensusLoss, TokenizedCorpus, TrainConfig, train
 

@@ -11,7 +11,7 @@ import torch
 
 from _dist import spawn_gloo
 from captionbert.core import GuardError
-from captionbert.data import SceneGrammar
+from captionbert.sources import SceneGrammar
 from captionbert.teachers import EmbeddingStore, embed_corpus, load_teachers, merge_shards, roster
 
 N, SHARD = 120, 16                     # 8 shards: rank 0 takes 00000, 00002, ..., rank 1 takes 00001, 00003, ...

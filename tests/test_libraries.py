@@ -201,7 +201,8 @@ def test_datasets_cache_key_misses_a_code_change_that_stage_hash_sees(tmp_path):
 def flickr_glove():
     "Flickr8k test captions (the retrieval task's rows), their images, and GloVe-6B-50d's normalized vectors."
     from captionbert.benchmark import teacher_encoder
-    from captionbert.data import FLICKR_IMAGES_VAR, find_data, load_flickr_images
+    from captionbert.data import find_data
+    from captionbert.pairs import FLICKR_IMAGES_VAR, load_flickr_images
     from captionbert.retrieval import retrieval_rows
     from captionbert.teachers import glove_teacher
     path = find_data(FLICKR_IMAGES_VAR, "captions/flickr8k_images.tsv")

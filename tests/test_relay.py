@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from captionbert.core import GuardError
-from captionbert.data import FlickrImages, open_captions
+from captionbert.pairs import FlickrImages
+from captionbert.sources import open_captions
 from captionbert.causal_lm import LMShape, document_ids, heldout_split
 from captionbert.relay import (RelayConfig, RelayModel, check_teacher_ahead, gate_travel_needed, placement_reading, relay_verdict,
                                weights_fingerprint)

@@ -179,7 +179,7 @@ def test_a_run_trains_on_exactly_the_rows_run_rows_decides(tmp_path, monkeypatch
     "The rows a smoke run drew its batches from (its BatchPlan, step by step) are run_rows's set: train_rows honoured, held-out rows never drawn."
     from captionbert.alignment import AlignmentConfig
     from captionbert.consensus import build_consensus
-    from captionbert.data import SceneGrammar
+    from captionbert.sources import SceneGrammar
     from captionbert.train import TrainConfig, run_consensus_training, run_rows
     monkeypatch.setenv("CAPTIONBERT_CACHE", str(tmp_path / "cache"))
     cap = tmp_path / "captions.txt"

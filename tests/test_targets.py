@@ -42,7 +42,7 @@ def cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def captions(tmp_path_factory):
-    from captionbert.data import SceneGrammar
+    from captionbert.sources import SceneGrammar
     cap = tmp_path_factory.mktemp("captions") / "captions.txt"
     cap.write_text("\n".join(SceneGrammar(n=400, seed=3)[i] for i in range(400)) + "\n")
     return cap
@@ -141,7 +141,7 @@ def test_a_killed_embedders_temporaries_are_removed_at_the_merge(tmp_path, cache
     """Issue 24 (orphans): a temporary a killed writer left in an embedding store (a shard, the manifest) is removed by the
     next embedding pass under the store's lock; a live writer's stays. The code before it left them forever (the test
     failed on `dead` still existing)."""
-    from captionbert.data import SceneGrammar
+    from captionbert.sources import SceneGrammar
     from captionbert.teachers import embed_corpus, load_teachers, offline_teachers
     groups, src = load_teachers(list(offline_teachers((6,), 6)), device="cpu"), [SceneGrammar(n=64, seed=5)[i] for i in range(64)]
     folder = tmp_path / "emb"

@@ -10,7 +10,7 @@ import torch
 from captionbert.alignment import AlignmentConfig, RowEmbeddings, fit_roster
 from captionbert.consensus import build_consensus, check_store, load_targets, write_targets
 from captionbert.core import GuardError
-from captionbert.data import open_captions
+from captionbert.sources import open_captions
 from captionbert.rehearsal import save_rehearsal_teacher
 from captionbert.teachers import (EmbeddingStore, embed_cache_key, embed_corpus, load_teachers, teacher_identities,
                                   teacher_identity)
