@@ -322,7 +322,7 @@ def frame_fingerprint(maps: dict # teacher -> AlignmentMap
 #   columns flattened, about 3 an image (3 x 10,965,172 = 32,895,516 cells, 989,900 more than 31,905,616).
 # PUBLISHED_CAPTIONS is that hypothesis, not a fact: three columns, flattened in the order named (sources.FLAT_IDS).
 # Which columns, in what order, and how empty cells were treated are not known here. `python -m captionbert.consensus
-# inspect --source <spec>` counts a spec where the hub is. The row check (consensus.check_corpus_rows) builds on it
+# inspect --source <spec>` counts a spec where the hub is. The row check (corpus.check_corpus_rows) builds on it
 # only when it holds 31,905,616 rows, or when the user accepts the count it holds (--accept-rows N).
 PUBLISHED_CAPTIONS = "hub:CaptionEmporium/conceptual-captions-cc12m-llavanext:caption_llava+caption_llava_short+caption"
 
@@ -340,7 +340,7 @@ class AlignmentConfig:
     seed: int = 0
     batch_size: int = 64                     # teacher forward batch
     shard_size: int = 4096                   # rows per embedding shard
-    accept_rows: int | None = None           # rows the captions are accepted to hold where they differ from their spec's declared count (consensus.EXPECTED_ROWS): --accept-rows
+    accept_rows: int | None = None           # rows the captions are accepted to hold where they differ from their spec's declared count (corpus.EXPECTED_ROWS): --accept-rows
 
     @classmethod
     def smoke(cls): return cls(name="smoke", limit=16_000)

@@ -6,7 +6,7 @@ member's frame — written as sharded safetensors that carry the frame they live
 # %% ../nbs/04_consensus.ipynb #2e3f43d3
 from __future__ import annotations
 
-import argparse, dataclasses, glob, json, os, re, secrets, shutil, tempfile, time
+import argparse, dataclasses, json, os, secrets, shutil, tempfile, time
 from pathlib import Path
 
 import numpy as np
@@ -18,22 +18,20 @@ from tqdm.auto import tqdm
 
 from . import alignment as _alignment
 from .alignment import AlignmentConfig, AlignmentMap, RowEmbeddings, fit_roster, frame_fingerprint, split_rows
+from .corpus import check_corpus_rows, inspect_source
 from .core import (GuardError, atomic_path, atomic_write_json, current_umask, folder_lock, pick_device, pick_precision, remove_temporaries,
                               sha256_bytes, sha256_file, stage_hash, stale_temporaries, to_jsonable)
-from .data import CAPTIONS_VAR, TokenStore, cache_dir, load_tokenizer, stratified_sample, token_store, tokenize
-from .sources import open_captions
+from .data import CAPTIONS_VAR, TokenStore, load_tokenizer, stratified_sample, token_store, tokenize
 from .gauges import effective_rank
-from .teachers import (EmbeddingStore, TeacherGroup, TeacherSpec, check_teachers, embed_cache_key, embed_cached, reference_member, roster,
-                                  safetensors_memmap)
+from .teachers import EmbeddingStore, TeacherGroup, check_teachers, embed_cache_key, embed_cached, reference_member, roster
+from .targets import (ConsensusTargets, DamagedTargets, _read_manifest, _targets_fingerprint, build_of, builds_of, consensus_id,
+                                 load_targets)
 from .teachers import roster as teacher_roster   # the name the functions below use: a Run section's `roster` is a parameter
 
 # %% auto #0
-__all__ = ['PUBLISHED_CHUNKS', 'EXPECTED_ROWS', 'MIN_FIT_ROWS', 'consensus', 'write_targets', 'build_of', 'DamagedTargets',
-           'TargetRows', 'ConsensusTargets', 'load_targets', 'target_geometry', 'geometry_rows', 'ShiftReport',
-           'distribution_shift', 'repair_gate', 'source_manifest_path', 'source_manifest', 'chunk_layout',
-           'inspect_source', 'corpus_plan', 'embeddings_fingerprint', 'stage_version', 'consensus_key', 'check_store',
-           'check_corpus_rows', 'check_caption_rows', 'consensus_id', 'builds_of', 'find_targets', 'build_consensus',
-           'main']
+__all__ = ['MIN_FIT_ROWS', 'consensus', 'write_targets', 'target_geometry', 'geometry_rows', 'ShiftReport', 'distribution_shift',
+           'repair_gate', 'embeddings_fingerprint', 'stage_version', 'consensus_key', 'check_store',
+           'check_caption_rows', 'build_consensus', 'main']
 
 # %% ../nbs/04_consensus.ipynb #f17d40cb
 def consensus(aligned: dict, # teacher -> [N, D] vectors in the reference frame
@@ -81,132 +79,6 @@ def write_targets(store: EmbeddingStore, # teacher embeddings of the corpus
                     "shards": shards, **to_jsonable(extra or {})}
         atomic_write_json(folder / "targets.json", manifest)
     return folder
-
-# %% ../nbs/04_consensus.ipynb #802940b2
-def build_of(folder: str | Path # a targets folder: a build, or an alias (a symlink to a build beside it; see build_consensus)
-            ) -> Path:
-    "The build a targets folder names now: an alias's target (beside it), any other folder itself."
-    folder = Path(folder)
-    return folder.parent / os.readlink(folder) if folder.is_symlink() else folder
-
-class DamagedTargets(GuardError):
-    "A build whose files are not what its targets.json records (a shard missing, cut or changed; targets.json unreadable): damage, which build_consensus sets aside and builds again."
-
-def _read_manifest(folder: Path # a build
-                  ) -> dict:
-    "A build's targets.json; DamagedTargets when it cannot be read (a build's files are written whole, so an unreadable one is damage)."
-    mpath = folder / "targets.json"
-    try: return json.loads(mpath.read_bytes())
-    except ValueError as e: raise DamagedTargets(f"{mpath} is not readable JSON ({e}); rebuild the targets") from None
-
-def _targets_fingerprint(manifest: dict) -> str:
-    "One hash of a targets folder's vectors: their frame and every shard's sha256."
-    return sha256_bytes(json.dumps([manifest["frame"], {k: s["sha256"] for k, s in sorted(manifest["shards"].items())}]).encode())
-
-class TargetRows:
-    "Target vectors read by corpus row id from memory-mapped shards of contiguous rows; RAM holds only the rows a call returns."
-    def __init__(self, folder: Path, # a targets folder
-                 manifest: dict # its targets.json
-                ):
-        self.folder, spans = Path(folder), []
-        for k, s in manifest["shards"].items():
-            p = self.folder / "targets" / f"shard-{k}.safetensors"
-            if not p.exists(): raise DamagedTargets(f"{p} (rows {s['rows'][0]}..{s['rows'][1]}) is missing; rebuild the targets")
-            vec, ids = safetensors_memmap(p, "targets"), safetensors_memmap(p, "row_ids")
-            lo, hi = s["rows"]
-            if not (len(vec) == len(ids) == s["n"] == hi - lo and (len(ids) == 0 or (ids[0] == lo and ids[-1] == hi - 1 and
-                                                                                     bool((np.diff(ids) == 1).all())))):
-                raise DamagedTargets(f"{p}: targets.json says rows {lo}..{hi} ({s['n']} rows) but the shard holds {len(vec)} vectors with "
-                                 f"{len(ids)} row ids ({int(ids[0]) if len(ids) else None}..{int(ids[-1]) if len(ids) else None}): "
-                                 "the reader needs each shard to hold one contiguous range of rows; rebuild the targets")
-            spans.append((lo, hi, vec))
-        spans.sort(key=lambda x: x[0])
-        for (_, h0, _), (l1, _, _) in zip(spans, spans[1:]):
-            if l1 < h0: raise DamagedTargets(f"{self.folder}: two shards both hold rows {l1}..{h0}; rebuild the targets")
-        self._lo = np.array([s[0] for s in spans], dtype=np.int64); self._hi = np.array([s[1] for s in spans], dtype=np.int64)
-        self._vec = [s[2] for s in spans]
-        self.dim = int(manifest["dim"]) if "dim" in manifest else int(self._vec[0].shape[1])
-    def __len__(self): return int((self._hi - self._lo).sum())
-    @property
-    def shape(self) -> tuple: return (len(self), self.dim)
-    def __repr__(self): return f"TargetRows({len(self)} rows x {self.dim}, {len(self._vec)} shards, memory-mapped)"
-    def ids_at(self, positions # positions in ascending row-id order, 0..len-1
-              ) -> np.ndarray:
-        "The row ids at these positions (a sample of positions becomes a sample of rows without listing every row id)."
-        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
-        if len(pos) and (pos.min() < 0 or pos.max() >= len(self)):
-            raise IndexError(f"positions {pos[(pos < 0) | (pos >= len(self))][:5].tolist()} are outside the {len(self)} rows of {self.folder}")
-        start = np.concatenate([[0], np.cumsum(self._hi - self._lo)])
-        w = np.searchsorted(start, pos, side="right") - 1
-        return self._lo[w] + (pos - start[w])
-    def row_ids(self) -> np.ndarray:
-        "Every row id held, ascending (8 bytes a row)."
-        return np.concatenate([np.arange(lo, hi) for lo, hi in zip(self._lo, self._hi)]) if len(self._lo) else np.zeros(0, np.int64)
-    def __getitem__(self, rows) -> torch.Tensor:
-        "The vectors of these corpus row ids, in that order: [n, D] float32 (a fresh tensor)."
-        ids = np.asarray(rows.cpu() if isinstance(rows, torch.Tensor) else rows, dtype=np.int64).reshape(-1)
-        w = np.searchsorted(self._lo, ids, side="right") - 1
-        held = (w >= 0) & (ids < self._hi[w.clip(0)]) if len(self._lo) else np.zeros(len(ids), bool)
-        if not held.all():
-            raise IndexError(f"{int((~held).sum())} of {len(ids)} rows (e.g. {ids[~held][:5].tolist()}) have no target in {self.folder} "
-                             f"(it holds {len(self)} rows): rows are corpus ids; use the rows the targets were built on")
-        out = np.empty((len(ids), self.dim), dtype=np.float32)
-        for s in np.unique(w):
-            m = w == s; out[m] = self._vec[s][ids[m] - self._lo[s]]
-        return torch.from_numpy(out)
-
-@dataclasses.dataclass
-class ConsensusTargets:
-    "Consensus target vectors of a corpus, read by row id from memory-mapped shards, with the frame and provenance they carry."
-    folder: Path
-    targets: TargetRows              # targets[row ids] -> [n, D] L2-normalized, read from disk
-    manifest: dict
-    @property
-    def frame(self) -> str: return self.manifest["frame"]
-    @property
-    def source_fingerprint(self) -> str: return self.manifest["source_fingerprint"]
-    @property
-    def n_rows(self) -> int: return len(self.targets)
-    @property
-    def row_ids(self) -> torch.Tensor:
-        "Every row id with a target, ascending [N] (8 bytes a row in RAM)."
-        return torch.from_numpy(self.targets.row_ids())
-    @property
-    def fingerprint(self) -> str:
-        "One hash of the target vectors themselves (their frame and every shard's sha256): what a run that trained on them records."
-        return _targets_fingerprint(self.manifest)
-    def __repr__(self):
-        return (f"ConsensusTargets({self.folder}, n={self.n_rows}, d={self.targets.dim}, "
-                f"frame={self.frame[:12]}, reference={self.manifest['reference']})")
-    def maps(self) -> dict:
-        "The alignment maps that made these targets."
-        return {t: AlignmentMap.load(self.folder / "maps" / f"{t}.safetensors") for t in self.manifest["maps"]}
-    def for_rows(self, rows) -> torch.Tensor:
-        "Targets of the given source row ids, in that order."
-        return self.targets[rows]
-
-def load_targets(folder: str | Path, # a folder written by write_targets
-                 expect_frame: str | None = None, # the frame fingerprint the run declares; None accepts any
-                 verify: bool = True # check every shard's sha256 (reads every shard once)
-                ) -> ConsensusTargets:
-    "Open consensus targets (memory-mapped; an alias is read through the build it names now); GuardError if they live in another frame than the one expected, a teacher at its recorded source is no longer the one that made them, or a shard is damaged."
-    folder = build_of(folder); mpath = folder / "targets.json"     # a build is never changed: read whole, whatever the alias names next
-    if not mpath.exists(): raise FileNotFoundError(f"{mpath} does not exist: build targets with 04_consensus (build_consensus) first")
-    man = _read_manifest(folder)
-    if expect_frame is not None and man["frame"] != expect_frame:
-        raise GuardError(f"the targets in {folder} live in frame {man['frame'][:12]}, but this run declares frame {expect_frame[:12]}: "
-                         "targets from refit maps land in another frame with no signal in the loss (LAWS.md law 17). "
-                         "Use the targets (or the maps) of the declared frame.")
-    if man.get("weights") is not None:      # each teacher found at its recorded source must still be the one that made them
-        here = [s for s in (TeacherSpec(**t) for t in man["teachers"]) if Path(s.source).exists()]
-        check_teachers(man["weights"], here, f"the targets folder {folder}", "Rebuild them on the current teachers (build_consensus, "
-                       "targets='build'), or restore the teachers they were built with")
-    for k in sorted(man["shards"]):
-        p = folder / "targets" / f"shard-{k}.safetensors"
-        if verify and (not p.exists() or sha256_file(p) != man["shards"][k]["sha256"]):
-            lo, hi = man["shards"][k]["rows"]
-            raise DamagedTargets(f"{p} (rows {lo}..{hi}) is missing or does not match its sha256 in targets.json; rebuild the targets")
-    return ConsensusTargets(folder, TargetRows(folder, man), man)
 
 # %% ../nbs/04_consensus.ipynb #b2fd9a7c
 def target_geometry(targets: ConsensusTargets, # the consensus
@@ -286,137 +158,6 @@ def repair_gate(store: EmbeddingStore, # the store holding the shard
                              f"< {1 - tol} over {len(pick)} re-embedded rows. Do not trust this shard; re-embed it.")
     return out
 
-# %% ../nbs/04_consensus.ipynb #afadc3fe
-PUBLISHED_CHUNKS = 66          # the program's corpus came in 66 chunks: v2 read 54 of them, v2-B all 66 (the chunks' sizes are not published)
-EXPECTED_ROWS = {AlignmentConfig.published().captions: 31_905_616}   # corpus spec -> the rows it is declared to hold (v2-B's corpus; see alignment.PUBLISHED_CAPTIONS)
-
-def source_manifest_path(spec: str # a caption spec as typed (see sources.open_captions)
-                        ) -> Path:
-    "Where `inspect` keeps what it counted for `spec`, and where the plan and the row check look: cache_dir('sources')/<spec as a name>-<12 hex>.json."
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in spec)[-80:]
-    return cache_dir("sources") / f"{safe}-{sha256_bytes(spec.encode())[:12]}.json"
-
-def _whole(source): return source.whole() if hasattr(source, "whole") else source   # the source without its limit, where it has one
-
-def source_manifest(source, # a caption source (opened from `spec`)
-                    spec: str # the spec it was opened from
-                   ) -> dict | None:
-    "The manifest `inspect` wrote for `spec`, when it counted this very content (the fingerprint of the whole source); else None."
-    p = source_manifest_path(spec)
-    if not p.exists(): return None
-    man = json.loads(p.read_text())
-    return man if man.get("fingerprint") == _whole(source).fingerprint else None
-
-def chunk_layout(n_rows: int, # rows of the flattened corpus
-                 n_chunks: int | None = None, # this many near-equal chunks (chunk i holds rows i*n//k .. (i+1)*n//k - 1) ...
-                 chunk_size: int | None = None, # ... or chunks of this many rows (the last one shorter)
-                 columns: dict | None = None # column -> {"ids": [lo, hi]} (count_columns): which columns each chunk holds
-                ) -> list[dict]:
-    "The rows [lo, hi) of each chunk, and how many of them each column gives."
-    if (n_chunks is None) == (chunk_size is None): raise ValueError("give one of n_chunks and chunk_size")
-    if n_rows <= 0 or (n_chunks or chunk_size) <= 0: raise ValueError(f"a layout needs rows and a positive chunk count or size, got {n_rows}, {n_chunks or chunk_size}")
-    bounds = ([i * n_rows // n_chunks for i in range(n_chunks + 1)] if n_chunks else [*range(0, n_rows, chunk_size), n_rows])
-    spans = [(c, v["ids"]) for c, v in (columns or {}).items()]
-    return [{"chunk": i, "rows": [lo, hi], "columns": {c: min(hi, b) - max(lo, a) for c, (a, b) in spans if min(hi, b) > max(lo, a)}}
-            for i, (lo, hi) in enumerate(zip(bounds, bounds[1:]))]
-
-def _identity(d: dict) -> str:
-    "What a describe() record says the content is: the columns and the commit, or the file and its sha256."
-    cols = d.get("columns") or ([d["column"]] if d.get("column") else [])
-    what = f"column{'s' if len(cols) > 1 else ''} {'+'.join(cols)} of " if cols else ""
-    if d.get("kind") == "hub": return f"{what}{d['hub_name']} at commit {d['commit'][:12]} (revision {d.get('revision') or 'default branch'})"
-    if d.get("sha256"): return f"{what}{Path(d['path']).name} (sha256 {d['sha256'][:12]})"
-    return f"{what}{d.get('spec') or d.get('kind')}"
-
-def inspect_source(spec: str, # a caption spec (sources.open_captions): hub or local
-                   chunk_size: int | None = None, # chunk rows when the count is not the published one; None: the published preset's shard size
-                   out: str | Path | None = None, # where to write the manifest; None: source_manifest_path(spec), where the plan and row check look
-                   resolver=None, loader=None, # hub specs only (see sources.HubCaptions): stand-ins for the hub in tests
-                   echo=print # where the report goes
-                  ) -> dict:
-    "Count a caption source in one pass: each column's rows and non-empty cells, the flattened rows, their chunk layout and the resolved revision (or sha256); print them and write the manifest (atomically)."
-    whole = _whole(open_captions(spec, resolver=resolver, loader=loader))
-    counted = whole.count() if hasattr(whole, "count") else {"columns": {}, "rows": len(whole), "id_scheme": "file order"}
-    n, declared, d = counted["rows"], EXPECTED_ROWS.get(spec), whole.describe()
-    published = AlignmentConfig.published().limit
-    if n == published: layout, rule = chunk_layout(n, n_chunks=PUBLISHED_CHUNKS, columns=counted["columns"]), (
-        f"near-equal chunks: the published count, laid out as the program's {PUBLISHED_CHUNKS} chunks would be if equal (their sizes are not published)")
-    else:
-        size = chunk_size or AlignmentConfig.published().shard_size
-        layout, rule = chunk_layout(n, chunk_size=size, columns=counted["columns"]), (
-            f"chunks of {size:,} rows ({'--chunk-size' if chunk_size else 'the published preset shard size'}): the count is not the published {published:,}")
-    man = {"spec": spec, "source": d, "fingerprint": whole.fingerprint, "identity": _identity(d), "columns": counted["columns"], "rows": n,
-           "id_scheme": counted["id_scheme"], "declared_rows": declared, "published_rows": published, "chunks": {"rule": rule, "layout": layout},
-           "counted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    path = Path(out) if out else source_manifest_path(spec)
-    atomic_write_json(path, man)
-    echo(f"source     {spec}")
-    echo(f"content    {man['identity']}" + (f"; pinned spec {d['spec']}" if d.get("kind") == "hub" else ""))
-    if counted["columns"]:
-        echo(f"columns    (row ids {counted['id_scheme']}: each column's non-empty cells in table order, one column after another)")
-        w = max(len(c) for c in counted["columns"])
-        for c, v in counted["columns"].items():
-            echo(f"  {c:<{w}}  rows {v['rows']:>12,}  non-empty {v['non_empty']:>12,}  empty {v['empty']:>10,}  "
-                 + (f"ids {v['ids'][0]:,}..{v['ids'][1] - 1:,}" if v["non_empty"] else "no ids"))
-    echo(f"flattened  {n:,} rows")
-    echo(f"declared   {declared:,} rows for this spec (consensus.EXPECTED_ROWS): " + ("the count matches" if n == declared else
-         f"the count differs by {n - declared:+,}; the row check refuses it unless a run passes --accept-rows {n}")
-         if declared is not None else f"declared   no count for this spec (the published spec declares {published:,})")
-    echo(f"chunks     {len(layout)} {rule}")
-    shown = {0, 1, len(layout) - 1} | {next(k for k, ch in enumerate(layout) if ch["rows"][1] > v["ids"][0])
-                                       for v in counted["columns"].values() if v["non_empty"]}   # the chunks where a column begins
-    for k, ch in enumerate(layout):
-        if len(layout) <= 80 or k in shown:
-            echo(f"  chunk {k:>{len(str(len(layout)))}}  rows {ch['rows'][0]:,}..{ch['rows'][1] - 1:,} ({ch['rows'][1] - ch['rows'][0]:,})  "
-                 + ", ".join(f"{c} {m:,}" for c, m in ch["columns"].items()))
-        elif k - 1 in shown: echo("  ...")
-    echo(f"manifest   {path}")
-    return man
-
-def _row_problem(spec: str, # the captions' spec
-                 counted: int | None, # rows counted (None: not counted)
-                 whole: bool, # the count is the source's own (False: read only up to `limit`, so it may hold more)
-                 cfg: AlignmentConfig, # the preset: its declared length, accepted count, name
-                 what: str # what was counted, in words
-                ) -> str | None:
-    "Why these rows fail the row check (both numbers, what was counted, what to do), or None when they pass: one rule for the check and the plan."
-    declared = EXPECTED_ROWS.get(cfg.captions)
-    want = cfg.accept_rows if cfg.accept_rows is not None else declared
-    if want is None or (counted == want and whole): return None
-    said = (f"--accept-rows accepts {want:,}" if cfg.accept_rows is not None else
-            f"is declared to hold {want:,} (consensus.EXPECTED_ROWS, preset {cfg.name!r}{f', limit {cfg.limit:,}' if cfg.limit else ''})")
-    inspect = f"python -m captionbert.consensus inspect --source {spec}"
-    if counted is None:
-        return f"the caption source {spec!r} has not been counted, and {said}: count it with `{inspect}` (one pass where the hub is)"
-    if not whole:
-        return (f"the caption source {spec!r} holds at least {counted:,} rows but {said}: it was read only up to the preset's limit "
-                f"{cfg.limit:,}, so it may hold more, and its own count is not known. Counted: {what}. Count it with `{inspect}` "
-                "(one pass; the row check then uses that count)")
-    return (f"the caption source {spec!r} holds {counted:,} rows but {said}. Counted: {what}. To build on these {counted:,} rows, pass "
-            f"--accept-rows {counted} (python -m captionbert.train, or consensus tokens; the run records it in its config); else name "
-            "a source that holds the declared rows (the program's corpus: AbstractPhil/conceptual-captions-12m-webdataset-berts; what is "
-            "known of its captions: alignment.PUBLISHED_CAPTIONS)")
-
-def corpus_plan(cfg: AlignmentConfig # the preset (its captions, declared length and accepted count)
-               ) -> dict:
-    "What a plan can say of the captions' rows without the network: counted (`inspect`'s manifest, or a local source read here) or declared, and the row check's verdict."
-    spec = cfg.captions
-    man, counted, whole, what = None, None, False, "not counted"
-    if spec and source_manifest_path(spec).exists():
-        man = json.loads(source_manifest_path(spec).read_text())
-        counted, whole, what = man["rows"], True, f"{man['identity']}, counted by inspect ({source_manifest_path(spec)}, {man['counted_at']})"
-    elif not (spec or "").startswith("hub:"):                         # a local source: read here
-        src = cfg.caption_source(verbose=False)
-        counted = len(src); whole = cfg.limit is None or counted < cfg.limit; what = f"{src!r}, read here"
-    rows = (min(counted, cfg.limit) if cfg.limit else counted) if counted is not None else cfg.limit
-    want = cfg.accept_rows if cfg.accept_rows is not None else EXPECTED_ROWS.get(spec)
-    problem = _row_problem(spec or "default_captions()", counted, whole, cfg, what)
-    return {"captions": spec or "default_captions()", "rows": rows, "rows_from": what if counted is not None else "declared (the preset's limit), not counted",
-            "counted_rows": counted, "declared_rows": EXPECTED_ROWS.get(spec), "accept_rows": cfg.accept_rows,
-            "columns": {c: v["non_empty"] for c, v in man["columns"].items()} if man else None,
-            "row_check": "no count declared or accepted for these captions: not checked" if want is None else "passes" if problem is None else f"refuses: {problem}",
-            "inspect": f"python -m captionbert.consensus inspect --source {spec}" if spec else None}
-
 # %% ../nbs/04_consensus.ipynb #0430e403
 def embeddings_fingerprint(store: EmbeddingStore # a teacher-embedding store
                           ) -> str:
@@ -482,26 +223,6 @@ def _key_changes(old: dict | None, new: dict) -> list[str]:
         elif a != b: out.append(f"{k} {str(a)[:16]} -> {str(b)[:16]}")
     return out
 
-def check_corpus_rows(cfg: AlignmentConfig, # the preset (its captions spec, declared length and accepted count)
-                      n_rows: int | None, # rows the captions' token store holds (one streamed pass: cheap beside the teachers); None: before tokenizing, inspect's count alone
-                      source=None # the captions (None: cfg.caption_source()); `inspect`'s count of them is used when it names this content
-                     ) -> int | None:
-    "GuardError unless the captions hold the rows accepted for them (cfg.accept_rows), else those EXPECTED_ROWS declares for their spec (see _row_problem); run before any teacher time is spent."
-    if cfg.accept_rows is None and EXPECTED_ROWS.get(cfg.captions) is None: return n_rows   # nothing declared or accepted: nothing to check
-    source = source if source is not None else cfg.caption_source(verbose=False)
-    spec = cfg.captions or source.describe().get("spec") or source.describe()["path"]
-    man = source_manifest(source, spec)
-    if n_rows is None and man is None: return None                          # not counted yet: the check runs on the token store
-    if n_rows is not None and man is not None and n_rows != min(man["rows"], cfg.limit or man["rows"]):
-        raise GuardError(f"the caption source {spec!r} gave the token store {n_rows:,} rows, but `inspect` counted {man['rows']:,} "
-                         f"({man['identity']}): it changed since it was counted; count it again (python -m captionbert.consensus inspect --source {spec})")
-    what = (f"the non-empty cells of " + ", ".join(f"{c} ({v['non_empty']:,})" for c, v in man["columns"].items())
-            + f" in {man['identity']}, counted by inspect ({source_manifest_path(spec)})" if man and man["columns"] else
-            man["identity"] + ", counted by inspect" if man else f"{_identity(source.describe())}, tokenized here")
-    problem = _row_problem(spec, man["rows"] if man else n_rows, man is not None or cfg.limit is None or n_rows < cfg.limit, cfg, what)
-    if problem: raise GuardError(f"{problem}. No teacher has run")
-    return n_rows
-
 MIN_FIT_ROWS = 2    # the fewest rows a map is fit on (fit_alignment refuses fewer); split_rows gives the fit what the held-out rows leave
 
 def check_caption_rows(cfg: AlignmentConfig, # the preset (its held-out rows and fit size)
@@ -521,40 +242,6 @@ def check_caption_rows(cfg: AlignmentConfig, # the preset (its held-out rows and
                          f"at least {cfg.eval_rows + MIN_FIT_ROWS:,} rows ({cfg.eval_rows + cfg.fit_rows_for(width):,} for the preset's whole "
                          f"fit sample; {CAPTIONS_VAR}, or the preset's captions), or a preset that holds out fewer") from None
     return len(fit), len(held)
-
-def consensus_id(key: dict # a consensus_key
-                ) -> str:
-    "12 hex digits naming a consensus_key: the content half of a build's name."
-    return sha256_bytes(json.dumps(to_jsonable(key), sort_keys=True).encode())[:12]
-
-def builds_of(folder: str | Path, # an alias (where build_consensus was asked to put targets)
-              frame: str | None = None, # only the builds of this frame
-              key: dict | None = None # only the builds of this consensus_key
-             ) -> list[Path]:
-    "The builds beside an alias: sibling folders `<its name>-<frame12>-<id12>` that hold a targets.json."
-    folder, out = Path(folder), []
-    if not folder.parent.is_dir(): return out
-    for p in sorted(folder.parent.glob(f"{glob.escape(folder.name)}-*-*")):
-        m = re.fullmatch(re.escape(folder.name) + r"-([0-9a-f]{12})-([0-9a-f]{12})", p.name)
-        if m is None or p.is_symlink() or not (p / "targets.json").exists(): continue
-        if (frame is None or m[1] == frame[:12]) and (key is None or m[2] == consensus_id(key)): out.append(p)
-    return out
-
-def find_targets(folder: str | Path, # the targets folder a run recorded: a build, an alias, or a folder older code built in place
-                 fingerprint: str, # the ConsensusTargets.fingerprint the run recorded
-                 frame: str | None = None # the run's frame (narrows the builds searched)
-                ) -> ConsensusTargets | None:
-    "The targets a run trained on: `folder` if it holds them, else its alias or a build beside it that does; None when none does."
-    folder = Path(folder)
-    m = re.fullmatch(r"(.+)-[0-9a-f]{12}-[0-9a-f]{12}", folder.name)
-    alias = folder.with_name(m[1]) if m else folder
-    for c in dict.fromkeys([folder, alias, *builds_of(alias, frame)]):
-        b = build_of(c)                 # resolved once: the build loaded is the one whose fingerprint matched, wherever the alias points next
-        if not (b / "targets.json").exists(): continue
-        try: man = _read_manifest(b)
-        except DamagedTargets: continue
-        if "shards" in man and _targets_fingerprint(man) == fingerprint: return load_targets(b)
-    return None
 
 _KEEP_IN_PLACE = {".lock", "maps", "targets", "targets.json"}   # what write_targets puts in a folder: an unfinished one holds no more
 

@@ -20,7 +20,7 @@ from .arm import DepthArm, DepthModel, assert_disengage_exact, load_depth_arm, s
 from .benchmark import TASK_NAMES
 from .binding import (BINDING_BAR, CHANCE, CONTEXT, DIRECTIONS, MIN_BAND, MIN_DEPTHS, BindingItem, DepthPlan, above_chance, binding_holds,
                                  ratio_bars, read_states)
-from .consensus import builds_of, load_targets
+from .targets import builds_of, load_targets
 from .core import GuardError, Presets, RunDir, sha256_bytes
 from .data import Batch, bundled_minilm_path, collate, load_tokenizer, runs_dir, sorted_batches, token_store, tokenizer_fingerprint
 from .stats import paired_interval

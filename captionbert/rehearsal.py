@@ -14,7 +14,8 @@ from typing import Sequence
 import torch
 
 from .alignment import AlignmentConfig
-from .consensus import build_consensus, load_targets
+from .consensus import build_consensus
+from .targets import load_targets
 from .core import GuardError, atomic_write_json
 from .data import TokenStore, bundled_minilm_path, load_tokenizer, token_store
 from .sources import open_captions

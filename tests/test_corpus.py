@@ -39,7 +39,7 @@ def test_inspect_counts_a_local_table_and_writes_its_manifest(tmp_path):
 
 def test_dry_run_reads_the_count_and_accept_rows_reaches_every_stage(tmp_path):
     "A manifest of the published spec counted at 32,895,516 (as `inspect` would write it on the hub): the plan reads the row check's refusal; with --accept-rows it passes."
-    from captionbert.consensus import source_manifest_path
+    from captionbert.corpus import source_manifest_path
     os.environ["CAPTIONBERT_CACHE"] = str(tmp_path / "cache")
     try: path = source_manifest_path(PUBLISHED_CAPTIONS)
     finally: os.environ.pop("CAPTIONBERT_CACHE")

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from captionbert.consensus import TargetRows
+from captionbert.targets import TargetRows
 from captionbert.data import TokenStore
 
 
@@ -258,7 +258,8 @@ def test_embedding_rows_are_read_from_memory_mapped_shards_not_whole_shards(tmp_
 def test_geometry_sample_does_not_list_every_row(monkeypatch):
     "geometry_rows (04's geometry and write-back probe) draws its sample from 2.5 billion rows without a permutation or a list of them."
     import tracemalloc
-    from captionbert.consensus import ConsensusTargets, TargetRows, geometry_rows
+    from captionbert.consensus import geometry_rows
+    from captionbert.targets import ConsensusTargets, TargetRows
     tr = object.__new__(TargetRows)                                  # two shards with a gap: rows 0..1e9-1 and 1.5e9..2.5e9-1
     tr.folder, tr.dim, tr._vec = Path("huge"), 8, [None, None]
     tr._lo, tr._hi = np.array([0, 1_500_000_000]), np.array([1_000_000_000, 2_500_000_000])

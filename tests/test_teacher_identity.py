@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from captionbert.alignment import AlignmentConfig, RowEmbeddings, fit_roster
-from captionbert.consensus import build_consensus, check_store, load_targets, write_targets
+from captionbert.consensus import build_consensus, check_store, write_targets
+from captionbert.targets import load_targets
 from captionbert.core import GuardError
 from captionbert.sources import open_captions
 from captionbert.rehearsal import save_rehearsal_teacher
