@@ -6,7 +6,7 @@ scored out of sample, with the positive control that shows the instrument can fa
 # %% ../nbs/03_alignment.ipynb #34cb0e8a
 from __future__ import annotations
 
-import dataclasses
+import dataclasses, os, re
 from pathlib import Path
 from typing import ClassVar, Sequence
 
@@ -18,15 +18,15 @@ from safetensors.torch import save_file
 
 from .core import SIZES, GuardError, atomic_path, resolve_preset, sha256_bytes
 from .data import stratified_sample
-from .sources import default_captions, open_captions
+from .sources import SYNTHETIC_SPEC, TABLE_FORMATS, default_captions, open_captions
 from .gauges import QuerySetReport, query_set_report, retrieval_r1
-from .teachers import ROSTERS
+from .teachers import ROSTERS, reference_member, roster as teacher_roster, roster_label, roster_text, teacher_width
 
 # %% auto #0
 __all__ = ['MIN_VARIANCE', 'MIN_RANK', 'MIN_RANK_DIMS', 'RANK_TOL', 'PUBLISHED_CAPTIONS', 'RowEmbeddings', 'AlignmentMap',
            'fit_alignment', 'AlignmentScore', 'evaluate_alignment', 'check_queries', 'identity_map', 'fit_roster',
-           'frame_fingerprint', 'AlignmentConfig', 'split_rows', 'generalization_gap', 'positive_control', 'r1_gap',
-           'r1_control']
+           'frame_fingerprint', 'captions_spec', 'captions_label', 'AlignmentConfig', 'split_rows',
+           'generalization_gap', 'positive_control', 'r1_gap', 'r1_control']
 
 # %% ../nbs/03_alignment.ipynb #33554b06
 def _ids(rows) -> torch.Tensor:
@@ -326,12 +326,32 @@ def frame_fingerprint(maps: dict # teacher -> AlignmentMap
 # only when it holds 31,905,616 rows, or when the user accepts the count it holds (--accept-rows N).
 PUBLISHED_CAPTIONS = "hub:CaptionEmporium/conceptual-captions-cc12m-llavanext:caption_llava+caption_llava_short+caption"
 
+def captions_spec(spec # a caption spec (data.open_captions's grammar), or None
+                 ) -> str | None:
+    "The spec's one canonical form: a file (or a jsonl/parquet table) by its absolute path; hub and synthetic specs as they are."
+    if spec is None: return None
+    s = str(spec)
+    if SYNTHETIC_SPEC.fullmatch(s) or s.startswith("hub:"): return s
+    fmt, _, rest = s.partition(":")
+    if fmt in TABLE_FORMATS and ":" in rest:
+        path, cols = rest.rsplit(":", 1); return f"{fmt}:{os.path.abspath(os.path.expanduser(path))}:{cols}"
+    return os.path.abspath(os.path.expanduser(s))
+
+def captions_label(spec: str # a caption spec
+                  ) -> str:
+    "The captions' part of a run or targets folder name: the file's or dataset's name (24 characters at most) and 8 hex of the spec."
+    s = captions_spec(spec)
+    if s.startswith("hub:"): base = re.split(r"[@#:]", s[4:], maxsplit=1)[0].rsplit("/", 1)[-1]
+    elif s.partition(":")[0] in TABLE_FORMATS: base = Path(s.split(":", 1)[1].rsplit(":", 1)[0]).stem
+    else: base = Path(s).stem
+    return re.sub(r"[^A-Za-z0-9._-]", "-", base)[:24] + "-" + sha256_bytes(s.encode())[:8]
+
 @dataclasses.dataclass(frozen=True)
 class AlignmentConfig:
     "What an alignment study (and the consensus built on it) runs on."
     name: str = "cpu"
-    roster: str = "offline"                  # a name of teachers.ROSTERS: "offline" (MiniLM layer views), "offline-mixed", "offline-weak", "hub"
-    captions: str | None = None              # caption source spec (see open_captions); None = default_captions()
+    roster: str = "offline"                  # a name of teachers.ROSTERS ("offline", "offline-mixed", "offline-weak", "hub"), or a roster of one's own (teachers.roster_text)
+    captions: str | None = None              # caption source spec (see open_captions; a file by its absolute path, captions_spec); None = default_captions()
     limit: int | None = None                 # captions used (None = all)
     fit_n_over_d: float = 31.3               # fit sample size as a multiple of the teacher width
     control_n_over_d: float = 4.9            # the positive control's (too small) fit
@@ -356,7 +376,8 @@ class AlignmentConfig:
     PRESETS: ClassVar[tuple] = SIZES         # the preset names: the one vocabulary of run sizes
 
     def __post_init__(self):
-        if self.roster not in ROSTERS: raise ValueError(f"unknown roster {self.roster!r}: use one of {list(ROSTERS)} (teachers.ROSTERS)")
+        object.__setattr__(self, "roster", roster_text(self.roster))       # a name of ROSTERS, or one's own in its canonical text; else refused
+        object.__setattr__(self, "captions", captions_spec(self.captions))
         if self.accept_rows is not None and (isinstance(self.accept_rows, bool) or not isinstance(self.accept_rows, int) or self.accept_rows <= 0):
             raise ValueError(f"accept_rows must be a positive whole number of rows (the count the captions were found to hold), got {self.accept_rows!r}")
     def accepting(self, rows: int # the rows the captions were counted to hold (`inspect`, or the row check's refusal)
@@ -366,20 +387,33 @@ class AlignmentConfig:
         return dataclasses.replace(self, accept_rows=rows, limit=rows if hub else self.limit)
     @classmethod
     def preset(cls, name: str, # smoke, cpu, published, or "auto" (see core.resolve_preset)
-               roster: str | None = None # a name of teachers.ROSTERS; None = the preset's own roster
+               roster: str | None = None, # a name of teachers.ROSTERS, or a roster of one's own; None = the preset's own roster
+               captions: str | None = None # a caption spec; None = the preset's own captions
               ) -> "AlignmentConfig":
-        "A named preset, on its own roster or the one named; \"auto\" and unknown names go through core.resolve_preset."
+        "A named preset, on its own roster and captions or the ones named; \"auto\" and unknown names go through core.resolve_preset."
         cfg = getattr(cls, resolve_preset(name, available=cls.PRESETS, section="03_alignment"))()
-        return cfg if roster is None else dataclasses.replace(cfg, roster=roster)
+        return dataclasses.replace(cfg, **({"roster": roster} if roster is not None else {}), **({"captions": captions} if captions is not None else {}))
     @classmethod
     def preset_roster(cls, name: str # a preset name of PRESETS
                      ) -> str:
         "The roster a preset uses when none is named."
         return getattr(cls, name)().roster if name in cls.PRESETS else cls.roster
+    @classmethod
+    def preset_captions(cls, name: str # a preset name of PRESETS
+                       ) -> str | None:
+        "The captions a preset uses when none are named (None: default_captions())."
+        return getattr(cls, name)().captions if name in cls.PRESETS else None
     @property
     def label(self) -> str:
-        "The run's name: the preset, with the roster appended where it is not the preset's own (cpu, cpu-offline-mixed)."
-        return self.name if self.roster == self.preset_roster(self.name) else f"{self.name}-{self.roster}"
+        "The run's name: the preset, then the roster where it is not the preset's own (cpu-offline-mixed; one's own: teachers.roster_label), then captions not the preset's (captions_label)."
+        parts = [self.name]
+        if self.roster != self.preset_roster(self.name): parts.append(roster_label(self.roster))
+        if self.captions != self.preset_captions(self.name): parts.append(captions_label(self.captions))
+        return "-".join(parts)
+    def reference_width(self) -> int:
+        "The targets' width: the reference member's (REFERENCE_WIDTH for a named roster; for one's own, read from its config, teachers.teacher_width)."
+        if self.roster in self.REFERENCE_WIDTH: return self.REFERENCE_WIDTH[self.roster]
+        return teacher_width(reference_member(teacher_roster(self.roster)))
     def fit_rows_for(self, width: int, n_over_d: float | None = None) -> int:
         return int(round((n_over_d or self.fit_n_over_d) * width))
     def caption_source(self, verbose: bool = True):

@@ -14,7 +14,8 @@ from . import __version__
 
 # %% ../nbs/14_cli.ipynb #8febe9f7
 COMMANDS = {   # command -> (the module whose command line it runs, arguments put before the user's, what it does)
-    "train": ("captionbert.train", (), "train a student on consensus targets, export it with its model card, and optionally score it"),
+    "train": ("captionbert.train", (), "train a student on consensus targets (your own: --teachers, --captions, --student), export it with "
+                                       "its model card, and optionally score it"),
     "plan": ("captionbert.train", ("--dry-run",), "print a training run's resolved plan as one JSON line (no network, no GPU)"),
     "bench": ("captionbert.benchmark", (), "score an encoder on the STS tasks (--out: the results JSON, mteb's result files beside it)"),
     "teachers": ("captionbert.teachers", (), "embed a caption corpus with a teacher roster (torchrun-aware), or verify a store"),

