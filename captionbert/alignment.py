@@ -326,7 +326,7 @@ def frame_fingerprint(maps: dict # teacher -> AlignmentMap
 # only when it holds 31,905,616 rows, or when the user accepts the count it holds (--accept-rows N).
 PUBLISHED_CAPTIONS = "hub:CaptionEmporium/conceptual-captions-cc12m-llavanext:caption_llava+caption_llava_short+caption"
 
-def captions_spec(spec # a caption spec (data.open_captions's grammar), or None
+def captions_spec(spec # a caption spec (sources.open_captions's grammar), or None
                  ) -> str | None:
     "The spec's one canonical form: a file (or a jsonl/parquet table) by its absolute path; hub and synthetic specs as they are."
     if spec is None: return None

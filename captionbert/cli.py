@@ -7,7 +7,7 @@
 __all__ = ['COMMANDS', 'EXIT_OK', 'EXIT_FAILED', 'EXIT_USAGE', 'main']
 
 # %% ../nbs/14_cli.ipynb #022f667d
-import argparse, importlib, sys
+import argparse, importlib, os, sys
 from typing import Optional, Sequence
 
 from . import __version__
@@ -36,6 +36,7 @@ def _parser() -> argparse.ArgumentParser:
                                  epilog=f"commands:\n{listing}\n\n`captionbert COMMAND --help` lists a command's arguments.\n"
                                         f"exit status: {EXIT_OK} ok, {EXIT_FAILED} a check failed (or a guard refused the input), {EXIT_USAGE} bad usage.")
     ap.add_argument("--version", action="version", version=f"captionbert {__version__}")
+    ap.add_argument("--quiet", action="store_true", help="no progress bars: TQDM_DISABLE=1 for this process and what it starts (torchrun workers)")
     ap.add_argument("--traceback", action="store_true", help="on an error, raise it with its whole traceback (default: one line on stderr)")
     ap.add_argument("command", choices=list(COMMANDS), metavar="COMMAND", help=f"one of: {', '.join(COMMANDS)}")
     ap.add_argument("args", nargs=argparse.REMAINDER, help="the command's own arguments")
@@ -53,6 +54,7 @@ def main(argv: Optional[Sequence[str]] = None # the arguments (None: the process
     try: a = _parser().parse_args(argv)
     except SystemExit as e: return _status(e)                  # --help, --version, or bad usage (2)
     module, before, _ = COMMANDS[a.command]
+    if a.quiet: os.environ["TQDM_DISABLE"] = "1"                # read by tqdm when it is imported: the command's modules are imported below
     if {"-h", "--help"} & set(a.args): print(f"captionbert {a.command} runs python -m {' '.join([module, *before])}:\n")
     try:
         run = importlib.import_module(module).main              # imported here, when its command runs: `captionbert --help` loads no torch

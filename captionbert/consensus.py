@@ -379,7 +379,7 @@ def main(argv=None):
     t = sub.add_parser("tokens", help="tokenize the captions once (memory-mapped, cached) and check their rows against EXPECTED_ROWS "
                                       "and the preset's held-out and fit samples")
     t.add_argument("--preset", default="auto"); t.add_argument("--roster", default=None, help="a name of teachers.ROSTERS, or a roster of one's own (teachers.roster_text)")
-    t.add_argument("--captions", default=None, help="a caption spec instead of the preset's (data.open_captions)")
+    t.add_argument("--captions", default=None, help="a caption spec instead of the preset's (sources.open_captions)")
     t.add_argument("--accept-rows", type=int, default=None, help="build on this many rows where the captions' declared count differs (the count the row check names)")
     i = sub.add_parser("inspect", help="count a caption source (hub or local): each column's non-empty cells, the flattened rows, the chunk "
                                        "layout and the resolved revision or sha256; writes the source manifest the plan and the row check use")

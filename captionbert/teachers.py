@@ -470,6 +470,9 @@ def parse_teacher(text: str # one teacher of a roster (the grammar above)
 def roster_text(teachers # a name of ROSTERS; or a roster of one's own: a list of teacher specs, or one string of them joined by ','
                ) -> str:
     "A roster's canonical text: a name of ROSTERS as it is, else its teachers' canonical texts joined by ',' (the first the reference); ValueError saying why it is refused."
+    if isinstance(teachers, str) and teachers.lstrip().startswith("["):   # papermill's `-p teachers '["a", "b"]'` arrives as this text
+        try: teachers = json.loads(teachers)
+        except json.JSONDecodeError as e: raise ValueError(f"the roster {teachers!r} opens a JSON list but does not parse: {e}") from e
     if isinstance(teachers, str):
         if teachers in ROSTERS: return teachers
         if "," not in teachers:

@@ -55,7 +55,7 @@ class TrainConfig:
     encoder: str = "cpu"                 # EncoderConfig preset (out_dim follows the targets)
     alignment: str = "cpu"               # AlignmentConfig preset used when targets are built now
     roster: Optional[str] = None         # the targets' teacher roster: a name of teachers.ROSTERS, or one's own (teachers.roster_text; a list is joined); None = the alignment preset's own
-    captions: Optional[str] = None       # the captions the targets are built from (a spec, data.open_captions; a file by its absolute path); None = the alignment preset's own
+    captions: Optional[str] = None       # the captions the targets are built from (a spec, sources.open_captions; a file by its absolute path); None = the alignment preset's own
     batch_size: int = 256                # global batch: part of the InfoNCE objective
     max_steps: int = 800
     lr: float = 6e-4
@@ -812,6 +812,9 @@ def student_config(student, # None: the preset's; a size (smoke, cpu, published,
     if student is None: return None
     if isinstance(student, EncoderConfig): enc = student
     else:
+        if isinstance(student, str) and student.lstrip().startswith("{"):   # papermill's `-p student '{"layers": 4}'` arrives as this text
+            try: student = json.loads(student)
+            except json.JSONDecodeError as e: raise ValueError(f"the student {student!r} opens a JSON object but does not parse: {e}") from e
         if isinstance(student, dict): base, dims = None, dict(student)
         else:
             items = [s.strip() for s in str(student).split(",") if s.strip()]
@@ -824,7 +827,7 @@ def student_config(student, # None: the preset's; a size (smoke, cpu, published,
         if unknown: raise ValueError(f"student dims {unknown} are not EncoderConfig fields: use {sorted(fields)} (out_dim follows the targets' width)")
         if dims: enc = dataclasses.replace(enc, name="custom", **dims)
     own = EncoderConfig.preset(cfg.encoder)
-    return None if dataclasses.replace(enc, out_dim=own.out_dim) == own else enc
+    return None if dataclasses.replace(enc, out_dim=own.out_dim, name=own.name) == own else enc   # the preset's own dims, however named
 
 def student_text(enc, # a student's EncoderConfig
                  cfg: TrainConfig # the run's recipe (its encoder preset)
@@ -889,7 +892,7 @@ def run_consensus_training(seed: int = 0, # the run's seed
                            encoder_config=None, # the student's EncoderConfig instead of the preset's (its out_dim set from the targets)
                            evaluate_extra: Optional[Callable] = None, # (model, gauges, step) -> dict, merged into the gauge record at every evaluation
                            teachers=None, # a roster of one's own instead of `roster`: teacher specs (teachers.roster_text), the first the reference
-                           captions: Optional[str] = None, # the captions the targets are built from instead of the preset's (a spec: data.open_captions)
+                           captions: Optional[str] = None, # the captions the targets are built from instead of the preset's (a spec: sources.open_captions)
                            student=None # the student's size instead of the preset's: a size name or explicit dims (student_config)
                           ) -> ConsensusRun:
     "Targets -> tokenized captions -> student -> the one training loop (-> the harness); returns the run and the trained model. A roster or captions of one's own are explored first (explore_first)."

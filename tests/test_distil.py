@@ -213,3 +213,22 @@ def test_papermill_parameters_reach_the_plan(tmp_path):
     assert plan["stages"][3].endswith(f" --roster {roster} --captions {caps} --student cpu"), plan["stages"][3]
     assert plan["stages"][4] == f"python -m captionbert.benchmark --model runs/05_train-smoke-{roster_label(roster)}-{captions_label(str(caps))}-student-cpu-seed0/export"
     assert not (tmp_path / "run").exists()
+
+
+def test_papermill_command_line_values_reach_the_roster_and_the_student():
+    """README's `-p teachers '["minilm-L6", ...]'` and 05's `-p student '{"layers": 4}'` reach the notebook as text (papermill's
+    command line turns a value into a bool, None, int or float, never a list or dict): the roster and the student read that
+    text as the list and the dict it spells. Code that split the text on ',' (the roster '["minilm-L6"') or read the dict as
+    a size name fails here; and a student equal to the preset's own dims is the preset's own (no run name of an empty student)."""
+    from papermill.cli import _resolve_type                          # the value `-p` hands the notebook
+    from captionbert.teachers import roster_text
+    from captionbert.train import TrainConfig, student_config
+    given = _resolve_type('["minilm-L6", "paraphrase-L3", "glove-50d"]')
+    assert isinstance(given, str)
+    assert roster_text(given) == roster_text(["minilm-L6", "paraphrase-L3", "glove-50d"]) == "minilm-L6,paraphrase-L3,glove-50d"
+    with pytest.raises(ValueError, match="opens a JSON list but does not parse"):
+        roster_text('["minilm-L6", ')
+    cfg = TrainConfig.smoke()
+    enc = student_config(_resolve_type('{"layers": 3}'), cfg)
+    assert enc is not None and enc.layers == 3 and enc == student_config({"layers": 3}, cfg)
+    assert student_config("smoke,layers=2", cfg) is None and student_config({"hidden": 64}, cfg) is None   # the preset's own dims
