@@ -331,6 +331,8 @@ def captions_spec(spec # a caption spec (sources.open_captions's grammar), or No
     "The spec's one canonical form: a file (or a jsonl/parquet table) by its absolute path; hub and synthetic specs as they are."
     if spec is None: return None
     s = str(spec)
+    if not s.strip(): raise ValueError("an empty caption spec (an unset variable in --captions \"$VAR\"?): name a caption file, a jsonl:/parquet: "
+                                  "column, hub:<dataset>, or leave it out for the preset's captions")
     if SYNTHETIC_SPEC.fullmatch(s) or s.startswith("hub:"): return s
     fmt, _, rest = s.partition(":")
     if fmt in TABLE_FORMATS and ":" in rest:

@@ -796,7 +796,7 @@ def own_roster(roster: Optional[str] = None, # a name of teachers.ROSTERS (or a 
     "The roster a run names: `roster`, or the canonical text of `teachers`; both at once are refused."
     if teachers is None: return roster
     if roster is not None: raise ValueError(f"pass roster={roster!r} (a name) or teachers= (a roster of your own), not both")
-    return roster_text([teachers] if isinstance(teachers, str) and "," not in teachers else teachers)
+    return roster_text([teachers] if isinstance(teachers, str) and "," not in teachers and not teachers.lstrip().startswith("[") else teachers)
 
 def _dim(item: str) -> tuple:
     "One `key=value` of a student's dims, the value read as JSON where it is (4, 0.1, true), else as text (cls)."

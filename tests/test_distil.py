@@ -232,3 +232,17 @@ def test_papermill_command_line_values_reach_the_roster_and_the_student():
     enc = student_config(_resolve_type('{"layers": 3}'), cfg)
     assert enc is not None and enc.layers == 3 and enc == student_config({"layers": 3}, cfg)
     assert student_config("smoke,layers=2", cfg) is None and student_config({"hidden": 64}, cfg) is None   # the preset's own dims
+
+
+def test_an_unset_captions_variable_is_refused_by_name_and_a_json_list_of_one_is_a_roster_of_one():
+    """README's `--captions "$CAPTIONBERT_CAPTIONS"` with the variable unset hands the command an empty spec: it is refused
+    naming the likely cause (the old code read '' as the current folder and failed with IsADirectoryError); and
+    `-p teachers '["minilm-L6"]'` is read as the list it spells, refused as a roster of one (not as a teacher named '["minilm-L6"]')."""
+    from captionbert.alignment import captions_spec
+    from captionbert.train import own_roster
+    for empty in ("", "  "):
+        with pytest.raises(ValueError, match="an empty caption spec"):
+            captions_spec(empty)
+    with pytest.raises(ValueError, match="a roster of one teacher"):
+        own_roster(None, '["minilm-L6"]')
+    assert own_roster(None, '["minilm-L6", "glove-50d"]') == "minilm-L6,glove-50d"
