@@ -332,13 +332,26 @@ class _GatherRows(torch.autograd.Function):
 
 class PairLoss:
     "Symmetric InfoNCE between the two sides of each pair; every other pair of the global batch (all ranks) is a negative."
+    chunking = "representations"   # pairs meet in the loss (in-batch negatives): a chunked step caches the representations' gradient (GradCache, TrainStep._chunked)
     def __init__(self, temperature: float = 0.05): self.temperature = temperature
     def __call__(self, model, batch: Batch, # this process's shard of the global batch (whole pairs, interleaved)
                  global_batch: Batch):
-        rows, g = torch.as_tensor(batch.rows), torch.as_tensor(global_batch.rows)
+        self._check(batch)
+        return self.from_representations(self.represent(model, batch), batch, global_batch)
+    @staticmethod
+    def _check(batch: Batch):
+        rows = torch.as_tensor(batch.rows)
         if len(rows) % 2 or not (torch.equal(rows[0::2] % 2, torch.zeros_like(rows[0::2])) and torch.equal(rows[1::2], rows[0::2] + 1)):
             raise ValueError(f"a pair batch interleaves a-side 2i and b-side 2i+1 row by row; got rows {rows[:6].tolist()}...: build it with PairPlan")
-        out = model(batch.input_ids, batch.attention_mask).pooler_output.float()          # [2b, O]
+    def represent(self, model, batch: Batch) -> torch.Tensor:
+        "The model's part: the pooled output of every row (any chunk of rows) [n, O]."
+        out = model(batch.input_ids, batch.attention_mask).pooler_output
+        return out.to(torch.promote_types(out.dtype, torch.float32))                        # bf16 read in fp32, fp64 kept
+    def from_representations(self, out: torch.Tensor, # [2b, O] the share's representations (represent), pairs interleaved
+                             batch: Batch, global_batch: Batch):
+        "The loss of a share from its representations: every pair of the global batch (all ranks) a negative."
+        self._check(batch)
+        rows, g = torch.as_tensor(batch.rows), torch.as_tensor(global_batch.rows)
         a, b = out[0::2], out[1::2]                                                        # [b, O] each
         rank, world = _world()
         if world > 1:                  # negatives from every rank, gradients sent back to the rank that owns them

@@ -96,6 +96,15 @@ class Batch:
     @property
     def padded_tokens(self) -> int: return self.attention_mask.numel() - self.real_tokens
     def to(self, device): return Batch(self.input_ids.to(device), self.attention_mask.to(device), self.rows)
+    def __len__(self) -> int: return len(self.rows)
+    def __getitem__(self, s: slice) -> "Batch":
+        "Rows `s` (a slice) of the batch: a process's share, a chunk of a step (its padding width kept, so a row's numbers do not change)."
+        if not isinstance(s, slice): raise TypeError(f"a Batch is cut by a slice of rows, not {type(s).__name__}")
+        return Batch(self.input_ids[s], self.attention_mask[s], self.rows[s])
+    def chunks(self, rows: int) -> list:
+        "The batch cut into consecutive chunks of `rows` rows (the last may be shorter)."
+        if rows < 1: raise ValueError(f"a chunk holds at least one row, got {rows}")
+        return [self[i:i + rows] for i in range(0, len(self), rows)]
 
 def collate(ids: Sequence[Sequence[int]], # token ids per row
             rows: Sequence[int] | None = None, # the row ids of `ids`

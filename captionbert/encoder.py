@@ -425,7 +425,8 @@ class CaptionEncoder(nn.Module):
             raise FloatingPointError(f"NaN in the routed forward of block {i} (blocks.{i}.ffn, {self.config.ffn} FFN): NaN in {seen}. "
                                      "The first routed block to see it is named; NaN already in its input comes from below it")
         h = self.final_norm(x)
-        pooled = F.normalize(self.head(self.readout(h, token_mask)).float(), dim=-1)
+        pooled = self.head(self.readout(h, token_mask))
+        pooled = F.normalize(pooled.to(torch.promote_types(pooled.dtype, torch.float32)), dim=-1)   # bf16 read in fp32; fp64 kept (exactness tests)
         pooled = pooled.masked_fill(empty[:, None], 0.0)
         return EncoderOutput(h, pooled, tuple(hidden) if hidden else None, tuple(attns) if attns else None, routing or None,
                              getattr(self.positions, "pointer_loss", None))

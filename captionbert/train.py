@@ -36,16 +36,17 @@ from .rosters import carry_line, explore_roster
 from .teachers import ROSTERS, load_teachers, probe_teachers, roster as teacher_roster, roster_label, roster_text, teacher_identities
 
 # %% auto #0
-__all__ = ['TokenizedCorpus', 'RESUME_LOG', 'WHERE_KEYS', 'DECLARED_KEYS', 'TrainConfig', 'summed_lr', 'lr_at', 'BatchPlan',
-           'param_groups', 'TrainStep', 'save_weights', 'latest_checkpoint', 'load_checkpoint', 'resume_checkpoint',
-           'set_aside_newer', 'NothingToTrain', 'config_changes', 'config_defaults', 'check_resume_config',
-           'TrainResult', 'train', 'ConsensusLoss', 'frame_gap', 'frame_gap_floor', 'mimicry_line', 'ConsensusGauges',
-           'own_inputs', 'explore_first', 'resolve_targets', 'check_roster', 'declared_changes', 'run_targets',
-           'caption_source', 'training_range', 'RunRows', 'run_rows', 'assert_same_rows', 'texts_of',
-           'resolve_train_config', 'own_roster', 'student_config', 'student_text', 'run_name', 'resolve_encoder_config',
-           'with_extra', 'ConsensusRun', 'run_consensus_training', 'export_run', 'run_card', 'export_student',
-           'export_current', 'score_student', 'scoring_code', 'scoring_code_version', 'teacher_cache_key',
-           'score_teachers', 'train_memory_estimate', 'plan_run', 'accepting_config', 'main']
+__all__ = ['TokenizedCorpus', 'RESUME_LOG', 'WHERE_KEYS', 'MEMORY_KEYS', 'DECLARED_KEYS', 'TrainConfig', 'summed_lr', 'lr_at',
+           'BatchPlan', 'param_groups', 'TrainStep', 'save_weights', 'latest_checkpoint', 'load_checkpoint',
+           'resume_checkpoint', 'set_aside_newer', 'NothingToTrain', 'config_changes', 'config_defaults',
+           'check_resume_config', 'TrainResult', 'train', 'ConsensusLoss', 'frame_gap', 'frame_gap_floor',
+           'mimicry_line', 'ConsensusGauges', 'own_inputs', 'explore_first', 'resolve_targets', 'check_roster',
+           'declared_changes', 'run_targets', 'caption_source', 'training_range', 'RunRows', 'run_rows',
+           'assert_same_rows', 'texts_of', 'resolve_train_config', 'own_roster', 'student_config', 'student_text',
+           'run_name', 'resolve_encoder_config', 'with_extra', 'ConsensusRun', 'run_consensus_training', 'export_run',
+           'run_card', 'export_student', 'export_current', 'score_student', 'scoring_code', 'scoring_code_version',
+           'teacher_cache_key', 'score_teachers', 'train_memory_estimate', 'fit_memory', 'plan_run', 'accepting_config',
+           'card_memory_gb', 'main']
 
 # %% ../nbs/05_train.ipynb #c11b275e
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +79,7 @@ class TrainConfig:
     train_rows: Optional[int] = None     # the leading corpus rows trained on (None = every row): v2 reads the first 82% of v2-B's corpus
     lr_scales: tuple = ()                # (parameter-name suffix, multiplier) pairs: those parameters train at lr × multiplier (a declared protocol)
     accept_rows: Optional[int] = None    # the rows counted in the captions that this run accepts where they differ from the declared count (--accept-rows; corpus.check_corpus_rows)
+    chunk_rows: Optional[int] = None     # rows one forward+backward takes (None: a process's whole share); the gradient stays the batch's (TrainStep._chunked), so a resume may change it
 
     PRESETS = ("smoke", "cpu", "published", "v2", "v2b")   # what `preset` accepts: the size names, then the named recipes
     ALIASES = {"published": "v2"}                           # a size name -> the recipe it means here
@@ -94,6 +96,8 @@ class TrainConfig:
                 raise ValueError(f"lr_scales entry {(k, m)!r}: a parameter-name suffix needs a finite positive multiplier")
         if len({k for k, _ in scales}) != len(scales): raise ValueError(f"lr_scales names a suffix twice: {scales}")
         object.__setattr__(self, "lr_scales", scales)
+        if self.chunk_rows is not None and (isinstance(self.chunk_rows, bool) or not isinstance(self.chunk_rows, int) or self.chunk_rows < 1):
+            raise ValueError(f"chunk_rows must be a positive number of rows or None (the whole share), got {self.chunk_rows!r}")
     def alignment_config(self):
         "The AlignmentConfig the targets of this run are built with: the alignment preset, on this run's roster and captions, accepting its accepted rows."
         acfg = AlignmentConfig.preset(self.alignment, roster=self.roster, captions=self.captions)
@@ -215,21 +219,79 @@ class TrainStep:
                  step: int # the global step (0-based): named by the guards and by the chaos test's fault point
                 ) -> tuple:
         "One optimizer step: (loss, metrics, the forward's auxiliary losses {name: (weight, loss)}, the gradient norm before clipping)."
-        model.train()
-        with autocast(self.device, self.precision):
-            loss, metrics = loss_fn(model, batch.to(self.device), global_batch)
-        aux = backward_aux(model)                        # what the forward put into the backward besides `loss` (a binding option's pointer loss)
-        for name, (w, a) in aux.items():
-            if not torch.isfinite(a): raise FloatingPointError(
-                f"the {name} is {a.item()} at step {step} (in the gradient with weight {w}, through encoder._AddAux): the step stops before "
-                "its backward and optimizer step, so the weights are still finite; the run stops here (checkpoint at the last snapshot)")
-        if not torch.isfinite(loss): raise FloatingPointError(f"loss is {loss.item()} at step {step}; the run stops here (checkpoint at the last snapshot)")
-        self.scaler.scale(loss).backward()
+        loss, metrics, aux = self.backward(model, loss_fn, batch, global_batch, step)
         fault_point("step", str(step + 1))              # the chaos test: killed mid-step (gradients taken, weights not yet stepped)
         self.scaler.unscale_(self.opt)
         gnorm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
         self.scaler.step(self.opt); self.scaler.update(); self.opt.zero_grad(set_to_none=True); self.sched.step()
         return loss, metrics, aux, gnorm
+    def backward(self, model, loss_fn: Callable, batch: Batch, global_batch: Batch, step: int) -> tuple:
+        "The step's forward and backward, whole or in cfg.chunk_rows chunks (the same gradient), the (scaled) gradients left on the parameters: (loss, metrics, aux)."
+        model.train()
+        chunk = self.cfg.chunk_rows
+        if chunk is not None and chunk < len(batch): return self._chunked(model, loss_fn, batch, global_batch, step, chunk)
+        with autocast(self.device, self.precision):
+            loss, metrics = loss_fn(model, batch.to(self.device), global_batch)
+        aux = self._finite(model, loss, step)
+        self.scaler.scale(loss).backward()
+        return loss, metrics, aux
+    @staticmethod
+    def _finite(model, loss: torch.Tensor, step: int) -> dict:
+        "The NaN guards before a backward: the loss and what the forward put into the backward besides it (a binding option's pointer loss)."
+        aux = backward_aux(model)
+        for name, (w, a) in aux.items():
+            if not torch.isfinite(a): raise FloatingPointError(
+                f"the {name} is {a.item()} at step {step} (in the gradient with weight {w}, through encoder._AddAux): the step stops before "
+                "its backward and optimizer step, so the weights are still finite; the run stops here (checkpoint at the last snapshot)")
+        if not torch.isfinite(loss): raise FloatingPointError(f"loss is {loss.item()} at step {step}; the run stops here (checkpoint at the last snapshot)")
+        return aux
+    def _chunked(self, model, loss_fn, batch: Batch, global_batch: Batch, step: int, chunk: int) -> tuple:
+        """The step's gradient taken `chunk` rows at a time, equal to the whole share's (up to float summation order): the loss declares how.
+        `chunking = "rows"`: its value is the row-mean of terms each of one row's output (ConsensusLoss: the negatives are targets,
+        constants), so each chunk's loss, weighted by its share of the rows, is backpropagated as it comes — one forward.
+        `chunking = "representations"`: rows meet in the loss (PairLoss: in-batch negatives), so GradCache (Gao et al. 2021): every chunk
+        embedded without a graph, the loss and its gradient taken on those representations, then each chunk re-run with its graph (the
+        RNG state of its first pass restored, so dropout draws the same masks) and backpropagated with its slice — two forwards."""
+        how = getattr(loss_fn, "chunking", None)
+        if how not in ("rows", "representations"):
+            raise GuardError(f"chunk_rows={chunk} asks for the step in chunks, but the loss {type(loss_fn).__name__} declares no `chunking` "
+                             "('rows': a row-mean of per-row terms; 'representations': represent() and from_representations() for GradCache), "
+                             "so its chunked gradient could differ from the batch's: pass chunk_rows=None, or declare it on the loss")
+        parts, n, dev = batch.chunks(chunk), len(batch), self.device
+        quiet = getattr(model, "no_sync", None)          # DDP: the gradients are all-reduced once, at the last chunk's backward
+        sync = lambda i: quiet() if quiet is not None and i < len(parts) - 1 else contextlib.nullcontext()
+        def no_aux():
+            if backward_aux(model): raise GuardError(f"chunk_rows={chunk}: the model puts an auxiliary loss into the backward ({sorted(backward_aux(model))}), "
+                                                     "whose chunked weight is not the batch's; train it with chunk_rows=None")
+        if how == "rows":
+            loss, metrics = torch.zeros((), device=dev), {}
+            for i, c in enumerate(parts):
+                w = len(c) / n
+                with sync(i):
+                    with autocast(dev, self.precision): part, m = loss_fn(model, c.to(dev), global_batch)
+                    self._finite(model, part, step); no_aux()
+                    self.scaler.scale(part * w).backward()
+                loss = loss + part.detach() * w
+                for k, v in m.items(): metrics[k] = metrics.get(k, 0) + v * w
+            return loss, metrics, {}
+        states, reps = [], []
+        with torch.no_grad():
+            for c in parts:
+                states.append(_rng_state())
+                with autocast(dev, self.precision): reps.append(loss_fn.represent(model, c.to(dev)))
+        after = _rng_state()
+        r = torch.cat(reps).detach().requires_grad_()
+        with autocast(dev, self.precision): loss, metrics = loss_fn.from_representations(r, batch.to(dev), global_batch)
+        self._finite(model, loss, step)
+        self.scaler.scale(loss).backward()               # the (scaled) loss's gradient on every representation: r.grad
+        for i, (c, g) in enumerate(zip(parts, r.grad.split([len(c) for c in parts]))):
+            _set_rng_state(states[i])
+            with sync(i):
+                with autocast(dev, self.precision): again = loss_fn.represent(model, c.to(dev))
+                no_aux()
+                again.backward(g.to(again.dtype))
+        _set_rng_state(after)
+        return loss.detach(), metrics, {}
 
 def save_weights(model, path, run: RunDir, kind: str, metadata: dict | None = None) -> Path:
     "Model weights as safetensors, written atomically and recorded in the run's manifest (tied weights written once per name)."
@@ -307,6 +369,7 @@ class NothingToTrain(GuardError):
 
 RESUME_LOG = "resumes.jsonl"                                   # one line per resume of a run directory
 WHERE_KEYS = ("device", "world_size", "targets", "code_version")  # where a run happens: may change on resume (logged)
+MEMORY_KEYS = ("train.chunk_rows", "encoder.gradient_checkpointing")   # how a step fits the card it meets, not what it computes: may change on resume (logged)
 
 def _flat(d, prefix: str = "") -> dict:
     "A nested JSON dict as {dotted.key: leaf value}."
@@ -344,7 +407,7 @@ def check_resume_config(old: dict, # the checkpoint's run config
     changes = {k: v for k, v in config_changes(old, new).items() if not added_at_default(k)}
     def allowed(k):
         if k == "train.lr_scales" or k.startswith("train.lr_scales."): return False   # the optimizer's groups are restored as saved: never changed on resume
-        return (allow_changes is True or k.split(".")[0] in WHERE_KEYS
+        return (allow_changes is True or k.split(".")[0] in WHERE_KEYS or k in MEMORY_KEYS
                             or any(k == a or k.endswith("." + a) for a in (allow_changes or ())))
     refused = {k: v for k, v in changes.items() if not allowed(k)}
     if refused:
@@ -477,8 +540,7 @@ def _train_held(model, batches, loss_fn, cfg, run, corpus, evaluate_fn, stop_at,
         t0 = time.time()
         gb = batches(step)
         B = gb.input_ids.shape[0]; share = B // world
-        b = Batch(gb.input_ids[rank * share:(rank + 1) * share], gb.attention_mask[rank * share:(rank + 1) * share],
-                  gb.rows[rank * share:(rank + 1) * share]) if world > 1 else gb
+        b = gb[rank * share:(rank + 1) * share] if world > 1 else gb
         loss, metrics, aux, gnorm = stepper(model, loss_fn, b, gb, step)
         if rank == 0:
             objective = float(loss.detach()) + sum(w * float(a.detach()) for w, a in aux.values())   # the loss the gradient is of
@@ -505,11 +567,13 @@ def _train_held(model, batches, loss_fn, cfg, run, corpus, evaluate_fn, stop_at,
 # %% ../nbs/05_train.ipynb #186df534
 class ConsensusLoss:
     "InfoNCE (student -> consensus targets of the global batch) + MSE to the own target."
+    chunking = "rows"     # a row's terms read its own output and the targets (constants): a chunked step is exact (TrainStep._chunked)
     def __init__(self, targets, # targets[row ids] -> [n, O]: targets.TargetRows (memory-mapped), or a tensor over every row
                  temperature: float = 0.07, mse_weight: float = 1.0):
         self.targets, self.temperature, self.mse_weight = targets, temperature, mse_weight
     def __call__(self, model, batch: Batch, global_batch: Batch):
-        out = model(batch.input_ids, batch.attention_mask).pooler_output.float()     # [b, O]
+        out = model(batch.input_ids, batch.attention_mask).pooler_output
+        out = out.to(torch.promote_types(out.dtype, torch.float32))                  # [b, O]: bf16 read in fp32, fp64 kept (the chunking tests)
         t_all = self.targets[global_batch.rows].to(out.device)                       # [B, O] every target is a negative
         t_own = self.targets[batch.rows].to(out.device)                              # [b, O]
         offset = int((global_batch.rows == batch.rows[0]).nonzero()[0]) if len(global_batch.rows) != len(batch.rows) else 0
@@ -844,6 +908,7 @@ def run_name(cfg: TrainConfig, # the run's recipe (its label)
             ) -> str:
     "A run's folder name: 05_train-<label>[-student-<size>]-seed<seed>, the student named where it is not the preset's own (explicit dims: layers x hidden and 6 hex)."
     enc, own = encoder_config, EncoderConfig.preset(cfg.encoder)
+    if enc is not None: enc = dataclasses.replace(enc, gradient_checkpointing=own.gradient_checkpointing)   # how a step fits a card, not which student
     if enc is None or dataclasses.replace(enc, out_dim=own.out_dim) == own: return f"05_train-{cfg.label(recipe)}-seed{seed}"
     text = student_text(enc, cfg)
     size = text if "=" not in text else f"{enc.layers}x{enc.hidden}-{sha256_bytes(text.encode())[:6]}"
@@ -1042,13 +1107,40 @@ def train_memory_estimate(enc_cfg, # an EncoderConfig
     return {"rows": rows, "tokens": tokens, "params": params, "gradient_checkpointing": ckpt, "state_bytes": 16 * params,
             "activation_bytes": act, "total_gb": round((16 * params + act) / 1e9, 2)}
 
+def fit_memory(enc_cfg, # the student's EncoderConfig
+               rows: int, # a process's share of the global batch
+               gpu_memory_gb: float, # the card's memory
+               tokens: int = 256, precision: str = "bf16",
+               headroom: float = 0.9 # the share of the card the estimate may take (allocator, CUDA context, the targets of the batch)
+              ) -> dict:
+    """How a step of `rows` rows fits a card: the largest chunk (the share, halved until it fits) whose estimate is under
+    headroom x the card, with the encoder's gradient checkpointing only where no chunk fits without it. Chunking comes first: a
+    row-separable loss (ConsensusLoss) chunks with no extra compute, while checkpointing recomputes every block's forward.
+    GuardError where even one row with checkpointing does not fit."""
+    budget = headroom * gpu_memory_gb * 1e9
+    def first_fit(cfg):
+        c = rows
+        while True:
+            est = train_memory_estimate(cfg, c, tokens, precision)
+            if 16 * est["params"] + est["activation_bytes"] <= budget or c == 1: return c, est
+            c = -(-c // 2)
+    for ckpt in ((False, True) if not enc_cfg.gradient_checkpointing else (True,)):
+        chunk, est = first_fit(dataclasses.replace(enc_cfg, gradient_checkpointing=ckpt))
+        if est["total_gb"] * 1e9 <= budget:
+            return {"gpu_memory_gb": gpu_memory_gb, "budget_gb": round(budget / 1e9, 2), "rows": rows,
+                    "chunk_rows": None if chunk == rows else chunk, "chunks": -(-rows // chunk),
+                    "gradient_checkpointing": ckpt, "estimate": est}
+    raise GuardError(f"a step does not fit {gpu_memory_gb} GB: one row at {tokens} tokens with gradient checkpointing is estimated at "
+                     f"{est['total_gb']} GB, over {headroom:.0%} of the card ({budget / 1e9:.1f} GB)")
+
 def plan_run(preset: str = "auto", # as for run_consensus_training
              seed: int = 0, roster: Optional[str] = None, max_steps: Optional[int] = None,
              world_size: int = 1, # processes the run would use (each takes batch_size / world_size rows)
              data_fraction: float = 1.0,
              train_config: Optional[TrainConfig] = None, # as for run_consensus_training: a whole TrainConfig instead of the preset's
              encoder_config=None, # as for run_consensus_training: the student's EncoderConfig (out_dim set from the targets)
-             teachers=None, captions: Optional[str] = None, student=None # as for run_consensus_training: a roster, captions, a student of one's own
+             teachers=None, captions: Optional[str] = None, student=None, # as for run_consensus_training: a roster, captions, a student of one's own
+             gpu_memory_gb: Optional[float] = None # the card the step must fit (fit_memory chooses chunk_rows); None: the recipe's chunk_rows
             ) -> dict:
     "The resolved plan of a training run, computed with no network and no GPU (see core.emit_plan for the shared keys; a hub teacher of one's own roster must be in the hub cache for its width)."
     name = TrainConfig.canonical(resolve_preset(preset, TrainConfig.PRESETS, published="v2", section="05_train"))
@@ -1081,6 +1173,9 @@ def plan_run(preset: str = "auto", # as for run_consensus_training
     accept = f" --accept-rows {cfg.accept_rows}" if cfg.accept_rows is not None else ""
     roster_arg, captions_arg = (f" --roster {shlex.quote(cfg.roster)}" if cfg.roster else ""), (f" --captions {shlex.quote(cfg.captions)}" if cfg.captions else "")
     student_arg = "" if encoder_config is None else f" --student {shlex.quote(student_text(encoder_config, cfg))}"
+    fit = None if gpu_memory_gb is None else fit_memory(enc, per_rank, gpu_memory_gb, cfg.max_tokens, precision)
+    chunk = cfg.chunk_rows if cfg.chunk_rows is not None else (fit["chunk_rows"] if fit else None)   # a recipe's own chunks are kept
+    memory_arg = (f" --chunk-rows {chunk}" if chunk else "") + (" --gradient-checkpointing" if fit and fit["gradient_checkpointing"] and not enc.gradient_checkpointing else "")
     return {"preset": name, "section": "05_train", "seed": seed, "rows": rows, "corpus_rows": corpus_rows, "corpus": corpus, **split.describe(),
             "steps": cfg.max_steps, "batch_size": cfg.batch_size, "epochs": round(cfg.max_steps * cfg.batch_size / rows, 3),
             "warmup_steps": cfg.warmup_steps, "precision": precision, "device": device, "world_size": world_size,
@@ -1088,23 +1183,33 @@ def plan_run(preset: str = "auto", # as for run_consensus_training
             "token_store_bytes_max": corpus_rows * (cfg.max_tokens * 2 + 8 + 2) + 8,     # uint16 ids at the ceiling, offsets, lengths
             "target_bytes": corpus_rows * (width * 4 + 8),                               # fp32 vectors and int64 row ids
             "gpu_memory_estimate": train_memory_estimate(enc, per_rank, cfg.max_tokens, precision),
+            **({"memory_fit": fit} if fit else {}),              # how the step fits the card named (--gpu-memory-gb): its chunks, checkpointing, estimate
             "stages": [f"python -m captionbert.consensus tokens --preset {acfg.name}" + roster_arg + captions_arg + accept,   # rows checked before any teacher runs
                        embed,                                      # the teacher pass: one process per GPU, a merged, verified store
                        f"papermill nbs/04_consensus.ipynb out/04_consensus.ipynb -p preset {acfg.name}" + roster_arg.replace("--roster", "-p roster")
                        + captions_arg.replace("--captions", "-p captions") + f" -p out_dir {targets_dir} -p embeddings {embed_dir}"
                        + (f" -p accept_rows {cfg.accept_rows}" if accept else ""),
                        f"{launch} --preset {name} --seed {seed} --targets {targets_dir}" + roster_arg + captions_arg + student_arg
-                       + (f" --max-steps {max_steps}" if max_steps else "") + accept,
+                       + (f" --max-steps {max_steps}" if max_steps else "") + accept + memory_arg,
                        f"python -m captionbert.benchmark --model runs/{run_name(cfg, name, seed, encoder_config)}/export"]}
 
 # %% ../nbs/05_train.ipynb #8a73917d
 def accepting_config(preset: str, # as for run_consensus_training
-                     accept_rows: Optional[int] # the rows counted that the run accepts (the row check names them); None: none
+                     accept_rows: Optional[int], # the rows counted that the run accepts (the row check names them); None: none
+                     chunk_rows: Optional[int] = None # rows a forward+backward takes (TrainConfig.chunk_rows); None: the whole share
                     ) -> Optional[TrainConfig]:
-    "The preset's TrainConfig accepting `accept_rows` (a train_config for run_consensus_training and plan_run), or None when none is accepted."
-    if accept_rows is None: return None
+    "The preset's TrainConfig accepting `accept_rows` and stepping in `chunk_rows` (a train_config for run_consensus_training and plan_run), or None when neither is set."
+    if accept_rows is None and chunk_rows is None: return None
     return TrainConfig.preset(TrainConfig.canonical(resolve_preset(preset, TrainConfig.PRESETS, published="v2", section="05_train")),
-                              accept_rows=accept_rows)
+                              accept_rows=accept_rows, chunk_rows=chunk_rows)
+
+def card_memory_gb(gpu_memory_gb: Optional[float] = None # a card's memory named by the caller
+                  ) -> Optional[float]:
+    "The memory a step must fit: the caller's figure, else the CUDA device's own (GB), else None (a CPU: no card to fit)."
+    if gpu_memory_gb is not None:
+        if not gpu_memory_gb > 0: raise ValueError(f"--gpu-memory-gb must be positive, got {gpu_memory_gb}")
+        return float(gpu_memory_gb)
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 1e9 if torch.cuda.is_available() else None
 
 def main(argv: Optional[Sequence[str]] = None):
     "Command-line entry point (torchrun-aware): train a student on consensus targets, export it, and optionally score it."
@@ -1129,13 +1234,30 @@ def main(argv: Optional[Sequence[str]] = None):
     ap.add_argument("--world-size", type=int, default=None, help="with --dry-run: processes to plan for (default: $WORLD_SIZE or 1)")
     ap.add_argument("--accept-rows", type=int, default=None, help="build and train on this many rows where the captions' declared count differs "
                     "(the count the row check names); recorded in the run's config")
+    ap.add_argument("--chunk-rows", type=int, default=None, help="rows one forward+backward takes (the gradient stays the whole batch's: "
+                    "TrainStep._chunked); default: chosen to fit --gpu-memory-gb, or the CUDA device's memory; on a CPU the whole share")
+    ap.add_argument("--gpu-memory-gb", type=float, default=None, help="the card a step must fit (fit_memory chooses --chunk-rows, and "
+                    "gradient checkpointing only where no chunk fits); default: read from the CUDA device")
+    ap.add_argument("--gradient-checkpointing", action="store_true", help="recompute each block in the backward (the student's "
+                    "gradient_checkpointing; the run's name does not change)")
     a = ap.parse_args(argv)
-    tc = accepting_config(a.preset, a.accept_rows)
     teachers = None if a.teachers is None else [t for item in a.teachers for t in item.split(",") if t.strip()]
     if teachers is not None and a.roster is not None: ap.error("--roster and --teachers both name the roster: pass one")
-    own = dict(teachers=teachers, captions=a.captions, student=a.student)
+    world = a.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    student = a.student
+    if a.gradient_checkpointing: student = (student + "," if student else "") + "gradient_checkpointing=true"
+    own = dict(teachers=teachers, captions=a.captions, student=student)
+    chunk, card = a.chunk_rows, card_memory_gb(a.gpu_memory_gb)
+    if chunk is None and card is not None:         # the plan's choice for this card (no network, no GPU work)
+        fit = plan_run(a.preset, a.seed, a.roster, a.max_steps, world, train_config=accepting_config(a.preset, a.accept_rows), gpu_memory_gb=card, **own)["memory_fit"]
+        chunk = fit["chunk_rows"]
+        if fit["gradient_checkpointing"] and not a.gradient_checkpointing:
+            own["student"] = (a.student + "," if a.student else "") + "gradient_checkpointing=true"
+        if not a.dry_run: print(f"memory: {card:.1f} GB card -> chunk_rows {chunk}, gradient checkpointing {fit['gradient_checkpointing']} "
+                                f"(estimate {fit['estimate']['total_gb']} GB of a {fit['budget_gb']} GB budget)")
+    tc = accepting_config(a.preset, a.accept_rows, chunk)
     if a.dry_run:
-        return emit_plan(plan_run(a.preset, a.seed, a.roster, a.max_steps, a.world_size or int(os.environ.get("WORLD_SIZE", "1")), train_config=tc, **own))
+        return emit_plan(plan_run(a.preset, a.seed, a.roster, a.max_steps, world, train_config=tc, gpu_memory_gb=card, **own))
     device = a.device
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         cuda = torch.cuda.is_available()

@@ -1,0 +1,149 @@
+"""A step in chunks (TrainConfig.chunk_rows) takes the whole batch's gradient: the consensus loss by rows (one forward), the
+pair loss by cached representation gradients (GradCache, two forwards); under 2 gloo processes; across a resume. A loss that
+declares no chunking, or a model with an auxiliary loss in its backward, is refused. Each equality has a planted wrong
+chunking beside it that it tells apart, so the tolerance is not one that anything passes."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from _dist import one_and_two_processes
+from captionbert.amoe import PairLoss, PairPlan, grammar_pairs
+from captionbert.core import GuardError, RunDir, set_seed
+from captionbert.data import load_tokenizer
+from captionbert.encoder import CaptionEncoder, EncoderConfig
+from captionbert.sources import SceneGrammar
+from captionbert.train import BatchPlan, ConsensusLoss, TokenizedCorpus, TrainConfig, TrainStep, train
+
+CFG = TrainConfig.smoke(max_steps=6, batch_size=16, warmup_steps=2, eval_every=1000, ckpt_every_steps=1000)
+
+
+def _consensus(dtype=torch.float64, n=200):
+    corpus = TokenizedCorpus.from_texts(load_tokenizer(), list(SceneGrammar(n=n, seed=3)))
+    targets = F.normalize(torch.randn(len(corpus), 48, generator=torch.Generator().manual_seed(0), dtype=torch.float64), dim=-1).to(dtype)
+    return corpus, targets
+
+
+def _grads(model, loss_fn, batch, chunk_rows):
+    "The parameters' gradient after TrainStep.backward of one batch, whole (chunk_rows=None) or in chunks."
+    model.zero_grad(set_to_none=True)
+    step = TrainStep(model, TrainConfig.smoke(chunk_rows=chunk_rows), torch.device("cpu"), "fp32")
+    loss, metrics, _ = step.backward(model, loss_fn, batch, batch, 0)
+    return float(loss.detach()), {k: float(v) for k, v in metrics.items()}, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _worst(a, b):
+    "The largest difference of two gradients (or state dicts), each tensor's relative to its own largest entry (fp32 sums in another order)."
+    return max(((a[k] - b[k]).abs().max() / a[k].abs().max().clamp_min(1e-30)).item() for k in a if a[k].is_floating_point())
+
+
+class _RowsClaimedWrongly:
+    "A planted fault: in-batch negatives (rows meet in the loss) declared row-separable, so a chunked step drops the cross-chunk negatives."
+    chunking = "rows"
+    def __call__(self, model, batch, global_batch):
+        out = model(batch.input_ids, batch.attention_mask).pooler_output
+        return F.cross_entropy(out @ out.roll(1, 0).T / 0.05, torch.arange(len(out))), {}
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_consensus_loss_in_chunks_takes_the_batch_gradient(dtype, tol):
+    corpus, targets = _consensus(dtype)
+    set_seed(0)
+    model = CaptionEncoder(EncoderConfig.tiny()).to(dtype)
+    batch = corpus.batch(np.arange(24))
+    loss_fn = ConsensusLoss(targets)
+    whole_loss, whole_m, whole = _grads(model, loss_fn, batch, None)
+    for chunk in (5, 8, 23):                                   # uneven last chunks too
+        loss, m, g = _grads(model, loss_fn, batch, chunk)
+        assert _worst(whole, g) < tol, f"chunk_rows={chunk}: gradient differs by {_worst(whole, g)} ({dtype})"
+        assert abs(loss - whole_loss) < tol and all(abs(m[k] - whole_m[k]) < tol for k in whole_m), (loss, whole_loss, m, whole_m)
+    assert max(v.abs().max().item() for v in whole.values()) > 1e-3, "no gradient to compare"
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_pair_loss_in_chunks_uses_gradcache_and_the_planted_row_claim_is_caught(dtype, tol):
+    set_seed(0)
+    model = CaptionEncoder(EncoderConfig.tiny()).to(dtype)
+    plan = PairPlan(load_tokenizer(), grammar_pairs("paraphrase", n=32, seed=0), 12, seed=0)     # 12 pairs: 24 rows
+    batch = plan(0)
+    _, _, whole = _grads(model, PairLoss(), batch, None)
+    _, _, cached = _grads(model, PairLoss(), batch, 5)         # odd chunks split pairs: GradCache does not care
+    assert _worst(whole, cached) < tol, f"GradCache gradient differs by {_worst(whole, cached)} ({dtype})"
+    _, _, planted_whole = _grads(model, _RowsClaimedWrongly(), batch, None)
+    _, _, planted = _grads(model, _RowsClaimedWrongly(), batch, 6)      # the same loss, wrongly chunked by rows
+    assert _worst(planted_whole, planted) > 1e3 * tol, f"the planted row claim moved the gradient by only {_worst(planted_whole, planted)}: the check cannot fail"
+
+
+def test_gradcache_reruns_each_chunk_with_its_first_pass_dropout():
+    "With dropout on, each chunk's second forward (with its graph) must draw the masks of its first (without): the RNG state is restored."
+    set_seed(0)
+    model = CaptionEncoder(EncoderConfig.tiny(dropout=0.3))
+    batch = PairPlan(load_tokenizer(), grammar_pairs("paraphrase", n=16, seed=0), 6, seed=0)(0)     # 12 rows
+    seen = []
+
+    class Recording(PairLoss):
+        def represent(self, model, batch):
+            out = super().represent(model, batch); seen.append(out.detach().clone()); return out
+
+    _grads(model, Recording(), batch, 4)
+    first, second = seen[:3], seen[3:]
+    assert len(second) == 3 and all(torch.equal(a, b) for a, b in zip(first, second)), "a chunk's re-run drew other dropout masks"
+    assert not torch.equal(first[0], model.eval()(batch[0:4].input_ids, batch[0:4].attention_mask).pooler_output.float()), \
+        "dropout did not change the output, so the check would prove nothing"
+
+
+def test_chunking_refuses_what_it_cannot_make_exact():
+    corpus, targets = _consensus(torch.float32)
+    batch = corpus.batch(np.arange(8))
+
+    class Undeclared:
+        def __call__(self, model, batch, global_batch): return model(batch.input_ids, batch.attention_mask).pooler_output.pow(2).mean(), {}
+
+    with pytest.raises(GuardError, match="declares no `chunking`"):
+        _grads(CaptionEncoder(EncoderConfig.tiny()), Undeclared(), batch, 4)
+    _grads(CaptionEncoder(EncoderConfig.tiny()), Undeclared(), batch, None)          # the same loss whole is fine
+    binding = CaptionEncoder(EncoderConfig.tiny(position="binding", lookup_layer=1, lookup_head=0, out_dim=48))
+    with pytest.raises(GuardError, match="auxiliary loss"):
+        _grads(binding, ConsensusLoss(targets), batch, 4)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="chunk_rows"): TrainConfig.smoke(chunk_rows=bad)
+
+
+def _apart(a, b):
+    "The largest absolute difference of two state dicts' float tensors (weights after Adam steps: test_distributed's measure)."
+    return max((a[k] - b[k]).abs().max().item() for k in a if a[k].is_floating_point())
+
+
+def _run(folder, chunk_rows=3, stop_at=None, resume=False):
+    corpus, targets = _consensus(torch.float32)
+    set_seed(0)
+    model = CaptionEncoder(EncoderConfig.tiny())
+    cfg = TrainConfig.smoke(max_steps=6, batch_size=16, warmup_steps=2, eval_every=1000, ckpt_every_steps=3, chunk_rows=chunk_rows)
+    train(model, BatchPlan(corpus, np.arange(200), cfg.batch_size, seed=0), ConsensusLoss(targets), cfg, RunDir(folder),
+          {"corpus": "scene-grammar-3"}, resume=resume, stop_at=stop_at, device="cpu", progress=False)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _run_whole(folder): return _run(folder, chunk_rows=None)
+
+
+def test_two_gloo_processes_in_chunks_match_one_whole(tmp_path):
+    whole = _run_whole(tmp_path / "whole")
+    single, ddp = one_and_two_processes(_run, tmp_path)       # chunk_rows=3: each process's share of 8 rows in chunks of 3, 3, 2
+    for name, w in (("1 process in chunks", single), ("2 processes in chunks", ddp)):
+        worst = _apart(whole, w)
+        assert worst < 1e-5, f"{name}: weights differ from the whole-batch run by {worst}"
+    init = CaptionEncoder(EncoderConfig.tiny()).state_dict()
+    assert _apart(whole, init) > 1e-4, "training did not move the weights, so the comparison would prove nothing"
+
+
+def test_a_chunked_run_resumes_exactly_and_may_change_its_chunks(tmp_path):
+    straight = _run(tmp_path / "straight")
+    _run(tmp_path / "cut", stop_at=3)
+    resumed = _run(tmp_path / "cut", resume=True)
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight), f"resumed chunked run differs by {_apart(straight, resumed)}"
+    _run(tmp_path / "other", stop_at=3)
+    other = _run(tmp_path / "other", chunk_rows=5, resume=True)         # a card of another size: the chunks change, the run does not
+    assert _apart(straight, other) < 1e-5, _apart(straight, other)
+    log = (tmp_path / "other" / "resumes.jsonl").read_text()
+    assert "chunk_rows" in log, log
