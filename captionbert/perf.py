@@ -7,7 +7,7 @@
 # %% ../nbs/05a_perf.ipynb #fbdc220d
 from __future__ import annotations
 
-import argparse, dataclasses, json, statistics, time
+import argparse, dataclasses, json, os, statistics, time
 from typing import Sequence
 
 import numpy as np
@@ -17,16 +17,16 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from .core import autocast, pick_device, pick_precision, set_seed
-from .data import LengthBucketSampler, collate, load_tokenizer, padding_report, tokenize
+from .data import Batch, LengthBucketSampler, collate, load_tokenizer, padding_report, tokenize
 from .sources import default_captions
 from .encoder import CaptionEncoder, EncoderConfig, EncoderOutput, n_params
 from .teachers import mean_pool
-from .train import ConsensusLoss, TrainConfig, TrainStep
+from .train import ConsensusLoss, TrainConfig, TrainStep, train_memory_estimate
 
 # %% auto #0
 __all__ = ['PARAM_TOLERANCE', 'STEP', 'MATMUL_OPS', 'BertTwin', 'check_same_size', 'step_loss', 'summarize',
            'train_step_benchmark', 'pair_step_benchmark', 'routed_step_benchmark', 'profile_step', 'caption_batches',
-           'model_flops_per_step', 'main']
+           'model_flops_per_step', 'activation_memory', 'main']
 
 # %% ../nbs/05a_perf.ipynb #adcdd9ae
 PARAM_TOLERANCE = 0.01  # the twin's parameter count may differ from the encoder's by at most this fraction of it
@@ -248,6 +248,51 @@ def model_flops_per_step(cfg: EncoderConfig, batches: Sequence) -> float:
         flops += 6 * body * B * L + 6 * 2 * cfg.layers * B * L * L * cfg.hidden   # dense + attention scores/values, fwd+bwd
     return flops
 
+# %% ../nbs/05a_perf.ipynb #36a5e229
+def _peak_step(preset: str, rows: int, tokens: int, chunk_rows: int | None = None) -> dict:
+    "In this process: resident bytes before and at the peak of one fp32 TrainStep of `rows` x `tokens` random ids (after a one-row step allocated gradients and Adam's moments)."
+    cfg = EncoderConfig.preset(preset)
+    set_seed(0); model = CaptionEncoder(cfg); dev = torch.device("cpu")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, cfg.vocab_size, (rows, tokens), generator=g)
+    batch = Batch(ids, torch.ones_like(ids), torch.arange(rows))
+    loss = ConsensusLoss(F.normalize(torch.randn(rows, cfg.out_dim, generator=g), dim=-1))
+    step = TrainStep(model, TrainConfig(chunk_rows=chunk_rows), dev, "fp32")
+    step(model, loss, batch[0:1], batch[0:1], 0)                      # gradients and Adam's moments exist from here on
+    status = lambda key: next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key + ":"))   # kB
+    try: open("/proc/self/clear_refs", "w").write("5")                    # the peak (VmHWM) reset to now: the step's own peak follows
+    except OSError: pass                                                  # not allowed here: the peak since exec (the step's is the largest)
+    before = status("VmRSS")
+    step(model, loss, batch, batch, 1)
+    peak = status("VmHWM")                                                # not ru_maxrss: that one survives exec, a large parent's size
+    return {"rows": rows, "tokens": tokens, "chunk_rows": chunk_rows, "rss_before": before, "peak": peak, "step_bytes": peak - before}
+
+def activation_memory(preset: str = "v2", # the EncoderConfig preset measured (v2: 12 x 512, 8,192 positions)
+                      rows: Sequence[int] = (16, 32, 64), # batch sizes, each in a fresh process
+                      tokens: int = 256, # tokens a row (every row full: the ceiling)
+                      chunk_rows: int | None = 16 # the largest batch measured again in chunks of this many rows (None: not)
+                     ) -> dict:
+    "Measured activation bytes a row (the slope of a step's peak over its rows, fresh processes) beside train_memory_estimate's fp32 figure; the chunked step's peak beside the whole one's. Linux only (/proc/self/status)."
+    import subprocess, sys
+    def measure(r, c=None):
+        code = f"import json; from captionbert.perf import _peak_step; print(json.dumps(_peak_step({preset!r}, {r}, {tokens}, {c!r})))"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        if out.returncode: raise RuntimeError(f"the measuring process for {r} rows failed: {out.stderr[-2000:]}")
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    points = [measure(r) for r in rows]
+    slope, icept = np.polyfit([p["rows"] for p in points], [p["step_bytes"] for p in points], 1)
+    cfg = EncoderConfig.preset(preset)
+    formula = train_memory_estimate(cfg, 1, tokens, "fp32")["activation_bytes"]
+    res = {"preset": preset, "tokens": tokens, "points": points, "measured_bytes_per_row": int(slope), "intercept_bytes": int(icept),
+           "estimate_bytes_per_row_fp32": formula, "measured_over_estimate": round(float(slope) / formula, 3),
+           "per_layer_constant_measured": round(float(slope) / (cfg.layers * tokens * cfg.hidden), 1),
+           "per_layer_constant_formula_fp32": 68, "threads": torch.get_num_threads()}
+    if chunk_rows is not None:
+        whole = points[-1]; ch = measure(whole["rows"], chunk_rows)
+        res["chunked"] = {**ch, "whole_step_bytes": whole["step_bytes"], "chunked_over_whole": round(ch["step_bytes"] / whole["step_bytes"], 3),
+                          "expected_over_whole": round(chunk_rows / whole["rows"], 3)}
+    return res
+
 # %% ../nbs/05a_perf.ipynb #78710b66
 def main(argv: Sequence[str] | None = None) -> dict:
     "Command-line entry point: print the figures as one JSON object."
@@ -264,7 +309,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--profile-steps", type=int, default=3)
     ap.add_argument("--anchored", action="store_true", help="instead of the BERT twin, time the anchored trunk (AlephLM's a1) against "
                     "the dense one (a2) of the preset: key step_time_ratio_a1_vs_a2")
+    ap.add_argument("--activation-memory", action="store_true", help="instead of timing, measure a step's peak memory at --rows batch sizes "
+                    "(fresh processes, fp32 on the CPU) and set the measured bytes a row beside train_memory_estimate's (activation_memory)")
+    ap.add_argument("--rows", default="16,32,64", help="with --activation-memory: the batch sizes measured")
+    ap.add_argument("--tokens", type=int, default=256, help="with --activation-memory: tokens a row")
+    ap.add_argument("--chunk-rows", type=int, default=16, help="with --activation-memory: the largest batch measured again in chunks of this many rows (0: not)")
     a = ap.parse_args(argv)
+    if a.activation_memory:
+        res = activation_memory(a.preset, [int(r) for r in a.rows.split(",")], a.tokens, a.chunk_rows or None)
+        print(json.dumps(res, indent=2)); return res
     cfg = EncoderConfig.preset(a.preset)
     batches, pad, src = caption_batches(a.batch_size, a.batches)
     head = {"preset": a.preset, "batch_size": a.batch_size, "captions": repr(src), "torch": torch.__version__}

@@ -906,7 +906,7 @@ def run_name(cfg: TrainConfig, # the run's recipe (its label)
              seed: int,
              encoder_config=None # the student's EncoderConfig where it is not the preset's (student_config)
             ) -> str:
-    "A run's folder name: 05_train-<label>[-student-<size>]-seed<seed>, the student named where it is not the preset's own (explicit dims: layers x hidden and 6 hex)."
+    "A run's folder name: 05_train-<label>[-student-<size>]-seed<seed>, the student named where it is not the preset's own (explicit dims: layers x hidden and 6 hex; gradient checkpointing is not a student)."
     enc, own = encoder_config, EncoderConfig.preset(cfg.encoder)
     if enc is not None: enc = dataclasses.replace(enc, gradient_checkpointing=own.gradient_checkpointing)   # how a step fits a card, not which student
     if enc is None or dataclasses.replace(enc, out_dim=own.out_dim) == own: return f"05_train-{cfg.label(recipe)}-seed{seed}"
