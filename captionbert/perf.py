@@ -16,17 +16,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from .core import autocast, pick_device, pick_precision, set_seed
+from .core import atomic_write_json, autocast, pick_device, pick_precision, set_seed
 from .data import Batch, LengthBucketSampler, collate, load_tokenizer, padding_report, tokenize
 from .sources import default_captions
 from .encoder import CaptionEncoder, EncoderConfig, EncoderOutput, n_params
 from .teachers import mean_pool
-from .train import ConsensusLoss, TrainConfig, TrainStep, train_memory_estimate
+from .train import ConsensusLoss, TrainConfig, TrainStep, fit_memory, train_memory_estimate
 
 # %% auto #0
-__all__ = ['PARAM_TOLERANCE', 'STEP', 'MATMUL_OPS', 'BertTwin', 'check_same_size', 'step_loss', 'summarize',
-           'train_step_benchmark', 'pair_step_benchmark', 'routed_step_benchmark', 'profile_step', 'caption_batches',
-           'model_flops_per_step', 'activation_memory', 'main']
+__all__ = ['PARAM_TOLERANCE', 'STEP', 'MATMUL_OPS', 'BF16_PEAK_TFLOPS', 'PROGRAM_V2', 'LENGTH_MIX', 'BertTwin', 'check_same_size',
+           'step_loss', 'summarize', 'train_step_benchmark', 'pair_step_benchmark', 'routed_step_benchmark',
+           'profile_step', 'caption_batches', 'model_flops_per_step', 'activation_memory', 'device_peak_tflops',
+           'synthetic_lengths', 'synthetic_batch', 'flops_per_token', 'gpu_check', 'main']
 
 # %% ../nbs/05a_perf.ipynb #adcdd9ae
 PARAM_TOLERANCE = 0.01  # the twin's parameter count may differ from the encoder's by at most this fraction of it
@@ -293,6 +294,117 @@ def activation_memory(preset: str = "v2", # the EncoderConfig preset measured (v
                           "expected_over_whole": round(chunk_rows / whole["rows"], 3)}
     return res
 
+# %% ../nbs/05a_perf.ipynb #8add6cbe
+BF16_PEAK_TFLOPS = (("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0), ("A10", 125.0))   # dense bf16 tensor-core TFLOP/s (datasheets), by name, first match
+PROGRAM_V2 = {"hours": 5.4, "sequences_per_s": 5536, "steps": 52_548, "device": "RTX 6000 Pro (96 GB)", "source": "DESIGN.md: the program's v2 run, 5 h 24 m"}
+LENGTH_MIX = ((18, 6), (32, 10), (110, 35))       # (mean, sd) tokens of the three caption kinds assumed equally likely (alt-text, short LLaVA, long LLaVA)
+
+def device_peak_tflops(name: str, # torch.cuda.get_device_name()
+                      ) -> float | None:
+    "The dense bf16 peak of a device by its name (BF16_PEAK_TFLOPS, first match; 'A10' is not 'A100'), or None."
+    for key, tf in BF16_PEAK_TFLOPS:
+        if key == "A10" and "A100" in name: continue
+        if key == "L4" and "L40" in name: continue
+        if key in name: return tf
+    return None
+
+def synthetic_lengths(n: int, max_tokens: int = 256, seed: int = 0) -> np.ndarray:
+    "Token counts of n rows drawn from LENGTH_MIX (an assumption about the published corpus, stated in the gpu-check JSON), clipped to [8, max_tokens]."
+    rng = np.random.default_rng(seed)
+    kind = rng.integers(0, len(LENGTH_MIX), n)
+    mu, sd = np.array(LENGTH_MIX, dtype=float).T
+    return np.clip(np.round(rng.normal(mu[kind], sd[kind])), 8, max_tokens).astype(int)
+
+def synthetic_batch(lengths: Sequence[int], vocab: int, seed: int = 0) -> Batch:
+    "Random token ids ([CLS] ... [SEP]) of the given lengths, right-padded, as a Batch."
+    g = torch.Generator().manual_seed(seed)
+    return collate([[101] + torch.randint(1000, vocab, (max(0, int(n) - 2),), generator=g).tolist() + [102] for n in lengths])
+
+def flops_per_token(cfg: EncoderConfig, tokens: int) -> float:
+    "nanoGPT's rule for a training step: 6 x non-embedding parameters + 12 x layers x heads x head dim x row length."
+    body = cfg.layers * (4 * cfg.hidden ** 2 + 2 * cfg.hidden * cfg.ffn_hidden) + cfg.hidden * cfg.head_hidden + cfg.head_hidden * cfg.out_dim
+    return 6 * body + 12 * cfg.layers * cfg.hidden * tokens
+
+def _timed_steps(model, tc: TrainConfig, batches: Sequence, targets: torch.Tensor, device, precision: str, warmup: int) -> dict:
+    "Time TrainStep over `batches` (the first `warmup` untimed): seconds a step, rows and real tokens a second, the peak memory."
+    step = TrainStep(model, tc, device, precision)
+    loss = ConsensusLoss(targets)
+    cuda = device.type == "cuda"
+    for b in batches[:warmup]: step(model, loss, b, b, 0)
+    if cuda: torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for b in batches[warmup:]: step(model, loss, b, b, 0)
+    if cuda: torch.cuda.synchronize()
+    s = (time.perf_counter() - t0) / len(batches[warmup:])
+    rows = sum(len(b) for b in batches[warmup:]) / len(batches[warmup:])
+    real = sum(b.real_tokens for b in batches[warmup:]) / len(batches[warmup:])
+    return {"step_s": round(s, 4), "steps_per_s": round(1 / s, 3), "sequences_per_s": round(rows / s, 1), "tokens_per_s": round(real / s, 1),
+            "padded_tokens_per_s": round(sum(b.input_ids.numel() for b in batches[warmup:]) / len(batches[warmup:]) / s, 1),
+            "peak_memory_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 2) if cuda else None}
+
+def gpu_check(device=None, small: bool = False, # small: a tiny encoder and teacher at batch 32 (the tests' CPU run; its figures mean nothing)
+              steps: int = 5, warmup: int = 2, peak_tflops: float | None = None, seed: int = 0) -> dict:
+    "The first GPU hour's figures as one dict (see the section above): the v2 step at 2,048 rows whole / chunked / checkpointed, teacher embedding rows/s, estimate vs measured peak, projected wall times."
+    from transformers import BertConfig, BertModel    # deferred: heavy import (transformers)
+    device = pick_device(device); precision = "bf16" if device.type == "cuda" else "fp32"
+    tc0 = TrainConfig.smoke() if small else TrainConfig.v2()
+    cfg = EncoderConfig.preset("tiny" if small else "v2", out_dim=48 if small else 768)
+    batch_size = 32 if small else tc0.batch_size
+    n = batch_size * (steps + warmup)
+    lengths = synthetic_lengths(n * 4, tc0.max_tokens, seed)
+    order = np.argsort(-lengths[:n], kind="stable")                           # length-bucketed as the loop's sampler makes them
+    batches = [synthetic_batch(lengths[order[i:i + batch_size]], cfg.vocab_size, seed + i).to(device) for i in range(0, n, batch_size)]
+    rng = np.random.default_rng(seed); batches = [batches[i] for i in rng.permutation(len(batches))]
+    targets = F.normalize(torch.randn(n, cfg.out_dim, generator=torch.Generator().manual_seed(seed)), dim=-1).to(device)
+    batches = [Batch(b.input_ids, b.attention_mask, torch.arange(i * batch_size, (i + 1) * batch_size)) for i, b in enumerate(batches)]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    card = torch.cuda.get_device_properties(device).total_memory / 1e9 if device.type == "cuda" else None
+    peak = peak_tflops or (device_peak_tflops(name) if device.type == "cuda" else None)
+    mean_len = float(np.mean([b.input_ids.shape[1] for b in batches]))
+    fpt = flops_per_token(cfg, int(mean_len))
+    def run(label, chunk_rows=None, ckpt=False):
+        set_seed(seed)
+        model = CaptionEncoder(dataclasses.replace(cfg, gradient_checkpointing=ckpt)).to(device).train()
+        try: r = _timed_steps(model, dataclasses.replace(tc0, chunk_rows=chunk_rows), batches, targets, device, precision, warmup)
+        except torch.OutOfMemoryError as e:
+            r = {"out_of_memory": str(e).splitlines()[0][:300]}
+        finally:
+            del model
+            if device.type == "cuda": torch.cuda.empty_cache()
+        if "tokens_per_s" in r:
+            r["mfu"] = round(r["padded_tokens_per_s"] * fpt / (peak * 1e12), 4) if peak else None   # padded tokens: the FLOPs the device ran
+        return {"label": label, "chunk_rows": chunk_rows, "gradient_checkpointing": ckpt, **r}
+    fit = fit_memory(cfg, batch_size, card, tc0.max_tokens, precision) if card else None
+    chunk = (fit["chunk_rows"] if fit and fit["chunk_rows"] else max(1, batch_size // 4))   # on a card that holds the whole batch: quarters
+    runs = [run("whole batch"), run(f"chunks of {chunk}", chunk_rows=chunk), run("gradient checkpointing", ckpt=True)]
+    # the teacher: BERT-base's shape (12 x 768, 110M), random weights, mean-pooled, inference_mode, length-sorted batches of 512
+    tcfg = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128) if small else BertConfig()
+    teacher = BertModel(tcfg, add_pooling_layer=False).to(device).eval()
+    if precision == "bf16": teacher = teacher.to(torch.bfloat16)
+    tlen = np.sort(synthetic_lengths(64 if small else 8192, 256, seed + 1))[::-1]
+    tb = [synthetic_batch(tlen[i:i + (16 if small else 512)], tcfg.vocab_size, seed + i).to(device) for i in range(0, len(tlen), 16 if small else 512)]
+    with torch.inference_mode():
+        mean_pool(teacher(input_ids=tb[0].input_ids, attention_mask=tb[0].attention_mask).last_hidden_state, tb[0].attention_mask)
+        if device.type == "cuda": torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for b in tb: mean_pool(teacher(input_ids=b.input_ids, attention_mask=b.attention_mask).last_hidden_state, b.attention_mask)
+        if device.type == "cuda": torch.cuda.synchronize()
+        t_rows = len(tlen) / (time.perf_counter() - t0)
+    est = train_memory_estimate(cfg, batch_size, tc0.max_tokens, precision)
+    best = next((r for r in runs if "step_s" in r and r["label"] != "gradient checkpointing"), None) or next((r for r in runs if "step_s" in r), None)
+    proj = {k: {"steps": s, "hours": round(s * best["step_s"] / 3600, 2) if best else None} for k, s in (("v2", TrainConfig.v2().max_steps), ("v2b", TrainConfig.v2b().max_steps))}
+    return {"device": name, "card_gb": round(card, 1) if card else None, "precision": precision, "small": small, "torch": torch.__version__,
+            "encoder": cfg.name, "params": n_params(CaptionEncoder(cfg)), "batch_size": batch_size, "steps_timed": steps, "warmup": warmup,
+            "lengths": {"assumed": "equal mixture of N(18,6), N(32,10), N(110,35) tokens, clipped to [8, 256] (LENGTH_MIX)",
+                        "mean_real": round(float(np.mean(lengths[:n])), 1), "mean_padded_row": round(mean_len, 1)},
+            "peak_tflops": peak, "peak_from": "--peak-tflops" if peak_tflops else ("BF16_PEAK_TFLOPS" if peak else "no entry for this device: pass --peak-tflops"),
+            "flops_per_token": fpt, "train_step": runs, "memory_fit": fit,
+            "estimate_vs_measured": {"estimate_gb_whole_batch": est["total_gb"], "measured_peak_gb_whole_batch": runs[0].get("peak_memory_gb"),
+                                     "estimate_gb_chunked": fit["estimate"]["total_gb"] if fit else None, "measured_peak_gb_chunked": runs[1].get("peak_memory_gb")},
+            "teacher_embedding": {"shape": f"{tcfg.num_hidden_layers} x {tcfg.hidden_size} (BERT-base)" if not small else "tiny",
+                                  "params": sum(p.numel() for p in teacher.parameters()), "rows_per_s": round(t_rows, 1)},
+            "projection": {**proj, "from": best["label"] if best else None, "program": PROGRAM_V2}}
+
 # %% ../nbs/05a_perf.ipynb #78710b66
 def main(argv: Sequence[str] | None = None) -> dict:
     "Command-line entry point: print the figures as one JSON object."
@@ -311,10 +423,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     "the dense one (a2) of the preset: key step_time_ratio_a1_vs_a2")
     ap.add_argument("--activation-memory", action="store_true", help="instead of timing, measure a step's peak memory at --rows batch sizes "
                     "(fresh processes, fp32 on the CPU) and set the measured bytes a row beside train_memory_estimate's (activation_memory)")
+    ap.add_argument("--gpu-check", action="store_true", help="the first GPU hour's figures (gpu_check): the v2 step at 2,048 rows whole, "
+                    "chunked and checkpointed in bf16, teacher embedding rows/s, estimate vs measured peak, projected wall times; one JSON")
+    ap.add_argument("--small", action="store_true", help="with --gpu-check: a tiny encoder and teacher at batch 32 (runs anywhere; figures mean nothing)")
+    ap.add_argument("--out", default=None, help="with --gpu-check: also write the JSON to this file")
     ap.add_argument("--rows", default="16,32,64", help="with --activation-memory: the batch sizes measured")
     ap.add_argument("--tokens", type=int, default=256, help="with --activation-memory: tokens a row")
     ap.add_argument("--chunk-rows", type=int, default=16, help="with --activation-memory: the largest batch measured again in chunks of this many rows (0: not)")
     a = ap.parse_args(argv)
+    if a.gpu_check:
+        res = gpu_check(a.device, small=a.small, peak_tflops=a.peak_tflops)
+        if a.out: atomic_write_json(a.out, res)
+        print(json.dumps(res, indent=2)); return res
     if a.activation_memory:
         res = activation_memory(a.preset, [int(r) for r in a.rows.split(",")], a.tokens, a.chunk_rows or None)
         print(json.dumps(res, indent=2)); return res
