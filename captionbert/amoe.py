@@ -25,7 +25,7 @@ from .pairs import FlickrImages, PairSet, assert_no_held_out_text, assert_train_
 from .sources import RELATIONS, SceneGrammar, Scene, SceneObject
 from .encoder import CaptionEncoder, EncoderConfig, n_params, set_residual_hook
 from .routers import sinh_route
-from .train import TrainConfig, _world, config_changes, plan_run, resolve_encoder_config, train
+from .train import TrainConfig, _world, config_changes, plan_run, resolve_encoder_config, train, train_memory_estimate
 
 # %% auto #0
 __all__ = ['SYNONYMS', 'HUB_PAIRS', 'PAIR_SOURCES', 'BACKBONE_SEED', 'Arm', 'backbone_fingerprint', 'ArmLibrary',
@@ -490,6 +490,14 @@ class ArmStudyConfig(Presets):
                 "pairs_from": {t: HUB_PAIRS[t][0] for t in arms} if self.pair_source == "hub" else self.pair_source,
                 "taus": list(self.taus), "sweep_seeds": list(self.sweep_seeds), "backbones": backbones,
                 "backbone_runs": {p: f"runs/05_train-{p}-seed{b}" for p in own}}   # the 05 runs the Run section reads (and checks: resolve_backbones)
+        for p, d in plan["backbone_runs"].items():            # the folder 05's own plan names for that trunk's run (its export stage)
+            named = plan_run(p, b)["stages"][-1].split("--model ")[-1].rsplit("/export", 1)[0]
+            if named != d: raise GuardError(f"the study reads {d} for the {p} trunk, but 05_train's plan names its run {named}")
+        # an estimate (a formula): the frozen trunk's fp32 weights, the arm's 16 B a parameter (Adam), and the trunk's activations for 2 x batch rows
+        # at the 256-token ceiling (the arm's adapters sit in every layer, so the backward runs through the whole trunk): 05's formula
+        act = train_memory_estimate(e, 2 * self.batch_size, 256, plan["precision"])["activation_bytes"]
+        mem = {"trunk_weight_bytes": 4 * trunk, "arm_state_bytes": 16 * (arm.n_adapter_params + e.hidden), "activation_bytes": act}
+        plan["gpu_memory_estimate"] = {**mem, "rows": 2 * self.batch_size, "tokens": 256, "total_gb": round(sum(mem.values()) / 1e9, 2)}
         if section == "07_transplant": plan.update(key_steps=self.key_steps, siblings=[list(s) for s in self.sibling_runs()])
         return plan
     def train_config(self, steps: Optional[int] = None): # None: the arms' steps

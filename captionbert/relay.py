@@ -8,7 +8,7 @@ __all__ = ['GATE_REACH_RATIO', 'RELAY_KINDS', 'TEACHER_MARGIN', 'RELAY_BANDS', '
            'placement_reading', 'RelayConfig', 'Relay', 'weights_fingerprint', 'decoder_layers', 'RelayModel',
            'check_parity', 'relay_pair', 'check_same_vocab', 'token_kl', 'check_teacher_ahead', 'DistillLoss', 'row_kl',
            'held_out_kl', 'site_contributions', 'distill', 'gauge_statistic', 'relay_verdict', 'load_hub_lm',
-           'lm_eval_scores']
+           'lm_eval_scores', 'relay_plan', 'main']
 
 # %% ../nbs/12_relay.ipynb #6a1b3662
 import contextlib, copy, dataclasses, hashlib, math
@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .routers import sinh_route
-from .core import GuardError, PRECISIONS
+from .core import GuardError, PRECISIONS, emit_plan
 from .data import TokenStore, tokenizer_fingerprint
 from .sources import HUB_SPEC
 from .stats import N_BOOT, paired_verdict
@@ -460,3 +460,35 @@ def lm_eval_scores(model, tokenizer, tasks: Sequence[str], # lm-evaluation-harne
     base = model.base if isinstance(model, RelayModel) else model
     res = lm_eval.simple_evaluate(model=HFLM(pretrained=base, tokenizer=tokenizer, batch_size=batch_size), tasks=list(tasks), limit=limit)
     return {t: res["results"][t].get("acc,none") for t in tasks}
+
+# %% ../nbs/12_relay.ipynb #2661eb10
+def relay_plan(cfg: RelayConfig) -> dict:
+    "The dry-run plan of a relay study (core.PLAN_KEYS for its distillation; every stage's steps and batch; parameters from the shapes on the meta device; the distillation's memory estimate, a formula)."
+    from transformers import Qwen2ForCausalLM    # deferred: heavy import (transformers)
+    with torch.device("meta"):
+        counts = {k: sum(p.numel() for p in Qwen2ForCausalLM(s.qwen2_config(cfg.bpe_vocab)).parameters()) for k, s in (("teacher", cfg.teacher), ("student", cfg.student))}
+    relay = sum(p.numel() for p in Relay(cfg.student.hidden, cfg.width).parameters())
+    stages = {s: {"steps": cfg.train_config(s).max_steps, "batch_size": cfg.train_config(s).batch_size, "lr": cfg.train_config(s).lr} for s in ("teacher", "student", "distill")}
+    d, sh, L = stages["distill"], cfg.student, cfg.max_tokens
+    mem = {"weights_bytes": 2 * (counts["teacher"] + counts["student"]), "relay_state_bytes": 16 * relay * len(cfg.sites),
+           "activation_bytes": 34 * sh.layers * L * d["batch_size"] * sh.hidden, "logit_bytes": 3 * 4 * d["batch_size"] * L * cfg.bpe_vocab}
+    mem["total_gb"] = round(sum(mem.values()) / 1e9, 2)
+    rows = d["steps"] * d["batch_size"]
+    hub = cfg.teacher_hub is not None
+    return {"preset": cfg.name, "section": "12_relay", "rows": rows, "steps": d["steps"], "batch_size": d["batch_size"], "epochs": 1.0 if rows else 0.0,
+            "warmup_steps": cfg.train_config("distill").warmup_steps, "precision": "bf16" if hub else "fp32", "rows_are": "rows distillation reads (steps x batch)",
+            "stages_steps": stages, "models": {"teacher": cfg.teacher_hub or f"pretrained here: {cfg.teacher}", "student": cfg.student_hub or f"pretrained here: {cfg.student}"},
+            "params": {**counts, "relay_per_site": relay, "relays": relay * len(cfg.sites), "sites": list(cfg.sites)},
+            "corpus": cfg.corpus_hub or "the caption file (sources.default_captions)", "heldout": list(cfg.heldout_hub) or f"the last {cfg.heldout} rows' documents",
+            "memory_estimate": mem, "lm_eval_tasks": list(cfg.lm_eval_tasks),
+            "stages": [f"papermill nbs/12_relay.ipynb out/12_relay-{cfg.name}.ipynb -p preset {cfg.name}"]}
+
+def main(argv=None) -> dict:
+    "Command-line entry point: python -m captionbert.relay --dry-run [--preset published]."
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m captionbert.relay", description="The relay study's plan (the study itself runs as nbs/12_relay.ipynb).")
+    ap.add_argument("--dry-run", action="store_true", required=True, help="print the study's plan as one JSON line (no network, no GPU)")
+    ap.add_argument("--preset", default="published", choices=RelayConfig.PRESETS)
+    return emit_plan(relay_plan(RelayConfig.preset(ap.parse_args(argv).preset)))
+
+if __name__ == "__main__" and "__file__" in globals(): main()

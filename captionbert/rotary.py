@@ -8,7 +8,7 @@ STS-B validation, exported by the one exporter and checked by the serving verifi
 __all__ = ['OPTIONS', 'CARD_OPTIONS', 'STAGES', 'LONG_CAPTIONS_VAR', 'option_of', 'RotaryConfig', 'completed_option_run',
            'check_option_precision', 'train_option_run', 'study_held_out', 'check_held_out', 'parameter_list',
            'score_option', 'select_on_dev', 'probe_scores', 'lookup_probe', 'consensus_of', 'option_geometry',
-           'long_captions', 'step_ratio']
+           'long_captions', 'step_ratio', 'rotary_plan', 'main']
 
 # %% ../nbs/11_rotary.ipynb #0f7f47ac
 import dataclasses, json, math, time
@@ -23,14 +23,14 @@ from safetensors.torch import load_file
 from .alignment import AlignmentConfig
 from .benchmark import DEV_TASKS, StudentEncoder, TASK_NAMES, evaluate
 from .consensus import consensus
-from .core import GuardError, Presets, RunDir, member_of, pick_device, pick_precision, read_lines, set_seed, sha256_bytes, to_jsonable
+from .core import GuardError, Presets, RunDir, emit_plan, member_of, pick_device, pick_precision, read_lines, set_seed, sha256_bytes, to_jsonable
 from .data import collate, find_data, load_tokenizer, stratified_sample, token_store
 from .encoder import CaptionEncoder, EncoderConfig, check_binding_precision, n_params, pointer_targets, wordpiece_kinds
 from .gauges import effective_rank, self_cosine
 from .perf import caption_batches, pair_step_benchmark
 from .teachers import load_teachers, roster
 from .train import (ConsensusRun, TrainConfig, TrainResult, assert_same_rows, caption_source, config_changes, latest_checkpoint,
-                               load_checkpoint, resolve_targets, run_consensus_training, run_rows)
+                               load_checkpoint, plan_run, resolve_targets, run_consensus_training, run_rows)
 
 # %% ../nbs/11_rotary.ipynb #790b7bbe
 OPTIONS = {   # option -> (what it is, its EncoderConfig flags on top of the size's architecture)
@@ -326,3 +326,35 @@ def step_ratio(cfg: RotaryConfig, # the study's size: its architecture, heads an
     return {"size": cfg.name, "layers": e.layers, "hidden": e.hidden, "heads": e.heads,
             **pair_step_benchmark(models["relative"], models["learned"], batches, ("rotary", "learned"), "step_time_ratio_rotary_vs_learned",
                                   device=device, precision=precision, rounds=cfg.step_rounds)}   # > 1: rotary is slower
+
+# %% ../nbs/11_rotary.ipynb #3fd54305
+def rotary_plan(cfg: RotaryConfig, # the study's size (and published stage)
+                seed: int = 1 # the seed whose 05 plan is shown (every seed trains the same recipe)
+               ) -> dict:
+    "The dry-run plan of a rotary study: 05_train's plan_run for each option on this size's recipe (core.PLAN_KEYS), each option's parameters and memory estimate, the runs, the command."
+    preset = cfg.train_preset if cfg.train_preset in ("smoke", "cpu") else "published"
+    per, base = {}, None
+    for o in cfg.options:
+        p = plan_run(preset, seed, train_config=cfg.train_config(o), encoder_config=cfg.encoder_config(o), data_fraction=cfg.train_fraction)
+        with torch.device("meta"): params = n_params(CaptionEncoder(cfg.encoder_config(o, out_dim=p["target_dim"])))
+        per[o] = {"params": params, "gpu_memory_estimate": p["gpu_memory_estimate"]}
+        if base is None: base = p
+        elif (p["rows"], p["steps"], p["batch_size"]) != (base["rows"], base["steps"], base["batch_size"]):
+            raise GuardError(f"option {o} plans {p['rows']} rows x {p['steps']} steps, the first option {base['rows']} x {base['steps']}: one recipe for every option")
+    cmd = f"papermill nbs/11_rotary.ipynb out/11_rotary-{cfg.name}.ipynb -p preset {cfg.name}" + (f" -p stage {cfg.stage}" if cfg.stage else "")
+    return {**{k: base[k] for k in ("rows", "corpus_rows", "steps", "batch_size", "epochs", "warmup_steps", "precision", "device", "maps", "target_dim")},
+            "preset": cfg.name, "section": "11_rotary", "stage": cfg.stage, "train_preset": preset, "train_fraction": cfg.train_fraction,
+            "options": per, "seeds": list(cfg.seeds), "runs": [f"{o}-seed{s}" for s in cfg.seeds for o in cfg.options],
+            "stages": [*base["stages"][:3], cmd]}
+
+def main(argv=None) -> dict:
+    "Command-line entry point: python -m captionbert.rotary --dry-run [--preset published] [--stage screen|larger|exposure]."
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m captionbert.rotary", description="The rotary study's plan (the study itself runs as nbs/11_rotary.ipynb).")
+    ap.add_argument("--dry-run", action="store_true", required=True, help="print the study's plan as one JSON line (no network, no GPU)")
+    ap.add_argument("--preset", default="published", choices=RotaryConfig.PRESETS); ap.add_argument("--stage", default=None, choices=list(STAGES))
+    ap.add_argument("--seed", type=int, default=1)
+    a = ap.parse_args(argv)
+    return emit_plan(rotary_plan(RotaryConfig.preset(a.preset, **({"stage": a.stage} if a.stage else {})), a.seed))
+
+if __name__ == "__main__" and "__file__" in globals(): main()

@@ -1177,7 +1177,7 @@ def plan_run(preset: str = "auto", # as for run_consensus_training
     chunk = cfg.chunk_rows if cfg.chunk_rows is not None else (fit["chunk_rows"] if fit else None)   # a recipe's own chunks are kept
     memory_arg = (f" --chunk-rows {chunk}" if chunk else "") + (" --gradient-checkpointing" if fit and fit["gradient_checkpointing"] and not enc.gradient_checkpointing else "")
     return {"preset": name, "section": "05_train", "seed": seed, "rows": rows, "corpus_rows": corpus_rows, "corpus": corpus, **split.describe(),
-            "steps": cfg.max_steps, "batch_size": cfg.batch_size, "epochs": round(cfg.max_steps * cfg.batch_size / rows, 3),
+            "steps": cfg.max_steps, "batch_size": cfg.batch_size, "epochs": round(cfg.max_steps * cfg.batch_size / rows, 4),
             "warmup_steps": cfg.warmup_steps, "precision": precision, "device": device, "world_size": world_size,
             "maps": maps, "target_dim": width,
             "token_store_bytes_max": corpus_rows * (cfg.max_tokens * 2 + 8 + 2) + 8,     # uint16 ids at the ceiling, offsets, lengths
