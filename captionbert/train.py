@@ -80,6 +80,7 @@ class TrainConfig:
     lr_scales: tuple = ()                # (parameter-name suffix, multiplier) pairs: those parameters train at lr × multiplier (a declared protocol)
     accept_rows: Optional[int] = None    # the rows counted in the captions that this run accepts where they differ from the declared count (--accept-rows; corpus.check_corpus_rows)
     chunk_rows: Optional[int] = None     # rows one forward+backward takes (None: a process's whole share); the gradient stays the batch's (TrainStep._chunked), so a resume may change it
+    compile: Optional[str] = None        # None: eager; else a torch.compile backend for the model ("inductor": fused kernels, needs a compiler; "aot_eager": the capture alone); a resume may change it
 
     PRESETS = ("smoke", "cpu", "published", "v2", "v2b")   # what `preset` accepts: the size names, then the named recipes
     ALIASES = {"published": "v2"}                           # a size name -> the recipe it means here
@@ -96,6 +97,8 @@ class TrainConfig:
                 raise ValueError(f"lr_scales entry {(k, m)!r}: a parameter-name suffix needs a finite positive multiplier")
         if len({k for k, _ in scales}) != len(scales): raise ValueError(f"lr_scales names a suffix twice: {scales}")
         object.__setattr__(self, "lr_scales", scales)
+        if self.compile is not None and self.compile not in torch._dynamo.list_backends(exclude_tags=()):
+            raise ValueError(f"compile={self.compile!r} is not a torch.compile backend: one of {sorted(torch._dynamo.list_backends(exclude_tags=()))}, or None (eager)")
         if self.chunk_rows is not None and (isinstance(self.chunk_rows, bool) or not isinstance(self.chunk_rows, int) or self.chunk_rows < 1):
             raise ValueError(f"chunk_rows must be a positive number of rows or None (the whole share), got {self.chunk_rows!r}")
     def alignment_config(self):
@@ -369,7 +372,7 @@ class NothingToTrain(GuardError):
 
 RESUME_LOG = "resumes.jsonl"                                   # one line per resume of a run directory
 WHERE_KEYS = ("device", "world_size", "targets", "code_version")  # where a run happens: may change on resume (logged)
-MEMORY_KEYS = ("train.chunk_rows", "encoder.gradient_checkpointing")   # how a step fits the card it meets, not what it computes: may change on resume (logged)
+MEMORY_KEYS = ("train.chunk_rows", "train.compile", "encoder.gradient_checkpointing")   # how a step runs on the card it meets, not what it computes: may change on resume (logged)
 
 def _flat(d, prefix: str = "") -> dict:
     "A nested JSON dict as {dotted.key: leaf value}."
@@ -459,6 +462,8 @@ def _train_held(model, batches, loss_fn, cfg, run, corpus, evaluate_fn, stop_at,
                 allow_changes, rank, world) -> TrainResult:
     "`train`'s body, run while this process holds the run directory."
     model.to(device)
+    if cfg.compile:                  # in place (nn.Module.compile): the state dict's names, the checkpoints and the export are the eager model's
+        _unwrap(model).compile(backend=cfg.compile, dynamic=None)
     stepper = TrainStep(model, cfg, device, precision)         # the step (perf times this same object)
     opt, sched, scaler = stepper.opt, stepper.sched, stepper.scaler   # its state: restored on resume, saved in every checkpoint
     start, best = 0, None
@@ -1196,12 +1201,13 @@ def plan_run(preset: str = "auto", # as for run_consensus_training
 # %% ../nbs/05_train.ipynb #8a73917d
 def accepting_config(preset: str, # as for run_consensus_training
                      accept_rows: Optional[int], # the rows counted that the run accepts (the row check names them); None: none
-                     chunk_rows: Optional[int] = None # rows a forward+backward takes (TrainConfig.chunk_rows); None: the whole share
+                     chunk_rows: Optional[int] = None, # rows a forward+backward takes (TrainConfig.chunk_rows); None: the whole share
+                     compile: Optional[str] = None # a torch.compile backend (TrainConfig.compile); None: eager
                     ) -> Optional[TrainConfig]:
-    "The preset's TrainConfig accepting `accept_rows` and stepping in `chunk_rows` (a train_config for run_consensus_training and plan_run), or None when neither is set."
-    if accept_rows is None and chunk_rows is None: return None
+    "The preset's TrainConfig accepting `accept_rows`, stepping in `chunk_rows`, compiled with `compile` (a train_config for run_consensus_training and plan_run), or None when none is set."
+    if accept_rows is None and chunk_rows is None and compile is None: return None
     return TrainConfig.preset(TrainConfig.canonical(resolve_preset(preset, TrainConfig.PRESETS, published="v2", section="05_train")),
-                              accept_rows=accept_rows, chunk_rows=chunk_rows)
+                              accept_rows=accept_rows, chunk_rows=chunk_rows, compile=compile)
 
 def card_memory_gb(gpu_memory_gb: Optional[float] = None # a card's memory named by the caller
                   ) -> Optional[float]:
@@ -1238,6 +1244,8 @@ def main(argv: Optional[Sequence[str]] = None):
                     "TrainStep._chunked); default: chosen to fit --gpu-memory-gb, or the CUDA device's memory; on a CPU the whole share")
     ap.add_argument("--gpu-memory-gb", type=float, default=None, help="the card a step must fit (fit_memory chooses --chunk-rows, and "
                     "gradient checkpointing only where no chunk fits); default: read from the CUDA device")
+    ap.add_argument("--compile", default=None, metavar="BACKEND", help="torch.compile the model with this backend (inductor on a GPU; "
+                    "aot_eager captures without a compiler); the weights, checkpoints and export are the eager model's")
     ap.add_argument("--gradient-checkpointing", action="store_true", help="recompute each block in the backward (the student's "
                     "gradient_checkpointing; the run's name does not change)")
     a = ap.parse_args(argv)
@@ -1255,7 +1263,7 @@ def main(argv: Optional[Sequence[str]] = None):
             own["student"] = (a.student + "," if a.student else "") + "gradient_checkpointing=true"
         if not a.dry_run: print(f"memory: {card:.1f} GB card -> chunk_rows {chunk}, gradient checkpointing {fit['gradient_checkpointing']} "
                                 f"(estimate {fit['estimate']['total_gb']} GB of a {fit['budget_gb']} GB budget)")
-    tc = accepting_config(a.preset, a.accept_rows, chunk)
+    tc = accepting_config(a.preset, a.accept_rows, chunk, a.compile)
     if a.dry_run:
         return emit_plan(plan_run(a.preset, a.seed, a.roster, a.max_steps, world, train_config=tc, gpu_memory_gb=card, **own))
     device = a.device
