@@ -18,8 +18,8 @@ from .core import GuardError, sha256_bytes, sha256_file, to_jsonable
 from .teachers import TeacherSpec, check_teachers, safetensors_memmap
 
 # %% auto #0
-__all__ = ['build_of', 'DamagedTargets', 'TargetRows', 'ConsensusTargets', 'load_targets', 'consensus_id', 'builds_of',
-           'find_targets']
+__all__ = ['TARGET_CANDIDATES', 'ROW_CANDIDATES', 'build_of', 'DamagedTargets', 'TargetRows', 'ConsensusTargets', 'load_targets',
+           'consensus_id', 'builds_of', 'find_targets', 'describe_foreign_targets', 'foreign_targets_error']
 
 # %% ../nbs/04_builds.ipynb #802940b2
 def build_of(folder: str | Path # a targets folder: a build, or an alias (a symlink to a build beside it; see build_consensus)
@@ -181,3 +181,56 @@ def find_targets(folder: str | Path, # the targets folder a run recorded: a buil
         except DamagedTargets: continue
         if "shards" in man and _targets_fingerprint(man) == fingerprint: return load_targets(b)
     return None
+
+# %% ../nbs/04_builds.ipynb #7c5c06da
+TARGET_CANDIDATES = ("consensus", "target", "targets", "embedding", "embeddings", "vector", "vectors", "emb")   # a vector column's likely names
+ROW_CANDIDATES = ("row", "row_id", "idx", "index", "id", "caption_id")                                       # a row-id column's likely names
+
+def _candidate(name: str, candidates) -> bool:
+    n = name.lower().rsplit(".", 1)[-1]
+    return n in candidates or any(n.startswith(c + "_") or n.endswith("_" + c) for c in candidates)
+
+def describe_foreign_targets(folder: str | Path, # a downloaded dataset (or any folder) without targets.json
+                             limit: int = 50 # at most this many files listed
+                            ) -> dict:
+    "What a folder holds that could be targets: parquet columns (type, rows), safetensors / .pt tensors (shape, dtype), .npy arrays; each vector or row-id name matching TARGET_CANDIDATES / ROW_CANDIDATES marked. Reads metadata and headers only where it can."
+    folder = Path(folder)
+    files, vectors, rows = [], [], []
+    for p in sorted(q for q in folder.rglob("*") if q.is_file() and not any(part.startswith(".") for part in q.relative_to(folder).parts))[:limit]:
+        rel, entry = str(p.relative_to(folder)), {"file": str(p.relative_to(folder)), "bytes": p.stat().st_size}
+        try:
+            if p.suffix == ".parquet":
+                import pyarrow.parquet as pq     # deferred: pyarrow, needed only for a parquet folder
+                f = pq.ParquetFile(p)
+                entry.update(kind="parquet", rows=f.metadata.num_rows, columns={fld.name: str(fld.type) for fld in f.schema_arrow})
+                names = list(entry["columns"])
+            elif p.suffix == ".safetensors":
+                from safetensors import safe_open
+                with safe_open(str(p), "pt") as f: entry.update(kind="safetensors", tensors={k: list(f.get_slice(k).get_shape()) for k in f.keys()})
+                names = list(entry["tensors"])
+            elif p.suffix in (".pt", ".pth", ".bin"):
+                obj = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+                flat = obj if isinstance(obj, dict) else {"(the object)": obj}
+                entry.update(kind="torch", tensors={str(k): (list(v.shape) if torch.is_tensor(v) else type(v).__name__) for k, v in flat.items()})
+                names = list(entry["tensors"])
+            elif p.suffix == ".npy":
+                a = np.load(p, mmap_mode="r"); entry.update(kind="npy", shape=list(a.shape), dtype=str(a.dtype)); names = [p.stem]
+            else: entry.update(kind="other"); names = []
+        except Exception as e: entry.update(kind="unreadable", error=f"{type(e).__name__}: {e}"[:200]); names = []
+        vectors += [f"{rel}:{n}" for n in names if _candidate(n, TARGET_CANDIDATES)]
+        rows += [f"{rel}:{n}" for n in names if _candidate(n, ROW_CANDIDATES)]
+        files.append(entry)
+    return {"folder": str(folder), "files": files, "vector_candidates": vectors, "row_candidates": rows,
+            "has_targets_json": (folder / "targets.json").exists()}
+
+def foreign_targets_error(folder: str | Path, # a folder without targets.json
+                          spec: str # what the caller asked for (e.g. hub:<dataset>)
+                         ) -> GuardError:
+    "The refusal of a folder that is not in this workbook's targets layout, listing what it holds (describe_foreign_targets) and what would map."
+    d = describe_foreign_targets(folder)
+    listed = "; ".join(f"{f['file']} ({f.get('kind')}: " + json.dumps({k: f[k] for k in ('rows', 'columns', 'tensors', 'shape') if k in f})[:300] + ")"
+                       for f in d["files"][:12])
+    return GuardError(f"{spec} is not a targets folder of this workbook (no targets.json in {folder}). It holds {len(d['files'])} files: {listed}. "
+                      f"Vector candidates ({'/'.join(TARGET_CANDIDATES)}): {d['vector_candidates'] or 'none'}; row-id candidates: "
+                      f"{d['row_candidates'] or 'none'}. Its vectors cannot be read into a frame until their row order is matched to the corpus's: "
+                      "build targets here (targets='build') or convert the folder with consensus.write_targets")

@@ -23,7 +23,7 @@ from .benchmark import (StudentEncoder, TASK_NAMES, evaluate, evaluate_views, hu
                                    sts_unavailable)
 from .consensus import check_caption_rows
 from .corpus import check_corpus_rows, corpus_plan
-from .targets import find_targets, load_targets
+from .targets import find_targets, foreign_targets_error, load_targets
 from .core import (GuardError, RunDir, atomic_path, atomic_write_bytes, atomic_write_json, autocast, code_version, emit_plan, fault_point,
                               keep_run_locks, pick_device, pick_precision, resolve_preset, set_seed, sha256_bytes, stage_hash, to_jsonable)
 from .data import (Batch, CAPTIONS_VAR, LengthBucketSampler, TokenStore, cache_dir, collate, load_tokenizer, runs_dir, sorted_batches,
@@ -692,7 +692,9 @@ def resolve_targets(spec: str, # "auto", "build", "hub:<dataset>", or a targets 
         tg = load_targets(build_consensus(acfg, folder, device=device).folder, expect_frame=expect_frame)
     elif spec.startswith("hub:"):
         from huggingface_hub import snapshot_download   # deferred: heavy import (huggingface_hub)
-        tg = load_targets(snapshot_download(spec[4:], repo_type="dataset"), expect_frame=expect_frame)
+        folder = snapshot_download(spec[4:], repo_type="dataset")
+        try: tg = load_targets(folder, expect_frame=expect_frame)
+        except FileNotFoundError: raise foreign_targets_error(folder, spec) from None    # another layout: what it holds, listed
     else: tg = load_targets(spec, expect_frame=expect_frame)
     return check_roster(tg, cfg)
 

@@ -177,3 +177,19 @@ def test_a_trunks_targets_are_found_as_a_build_beside_it(cache, captions, tmp_pa
                                                               "train_rows_sha256": sha256_bytes(rows.astype(np.int64).tobytes())}}))
     got = trained_range(trunk)
     assert got["targets"] == str(tg.folder) and got["trained"] == int(store.lengths[rows].max()), got
+
+
+def test_hub_targets_in_another_layout_are_refused_with_what_they_hold(tmp_path, monkeypatch):
+    "--targets hub:<dataset> whose download is not this workbook's layout: refused naming its files and candidate columns, before any training."
+    from captionbert.core import GuardError
+    import huggingface_hub
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from captionbert.train import TrainConfig, resolve_targets
+    pq.write_table(pa.table({"text": ["a dog"], "target_vec": [[0.5, 0.5]]}), tmp_path / "train-00000.parquet")
+    asked = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, repo_type=None: asked.append((repo, repo_type)) or str(tmp_path))
+    with pytest.raises(GuardError) as e:
+        resolve_targets("hub:AbstractPhil/captionbert-8192-v2-consensus", TrainConfig.smoke(), tmp_path / "run", progress=False)
+    assert asked == [("AbstractPhil/captionbert-8192-v2-consensus", "dataset")], asked
+    assert "train-00000.parquet:target_vec" in str(e.value) and "no targets.json" in str(e.value), e.value
