@@ -261,12 +261,12 @@ def _peak_step(preset: str, rows: int, tokens: int, chunk_rows: int | None = Non
     step = TrainStep(model, TrainConfig(chunk_rows=chunk_rows), dev, "fp32")
     step(model, loss, batch[0:1], batch[0:1], 0)                      # gradients and Adam's moments exist from here on
     status = lambda key: next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key + ":"))   # kB
-    try: open("/proc/self/clear_refs", "w").write("5")                    # the peak (VmHWM) reset to now: the step's own peak follows
-    except OSError: pass                                                  # not allowed here: the peak since exec (the step's is the largest)
+    try: open("/proc/self/clear_refs", "w").write("5"); reset = True      # the peak (VmHWM) reset to now: the step's own peak follows
+    except OSError: reset = False                                         # not allowed here: the peak since exec (recorded: hwm_reset)
     before = status("VmRSS")
     step(model, loss, batch, batch, 1)
     peak = status("VmHWM")                                                # not ru_maxrss: that one survives exec, a large parent's size
-    return {"rows": rows, "tokens": tokens, "chunk_rows": chunk_rows, "rss_before": before, "peak": peak, "step_bytes": peak - before}
+    return {"rows": rows, "tokens": tokens, "chunk_rows": chunk_rows, "rss_before": before, "peak": peak, "step_bytes": peak - before, "hwm_reset": reset}
 
 def activation_memory(preset: str = "v2", # the EncoderConfig preset measured (v2: 12 x 512, 8,192 positions)
                       rows: Sequence[int] = (16, 32, 64), # batch sizes, each in a fresh process
@@ -287,7 +287,8 @@ def activation_memory(preset: str = "v2", # the EncoderConfig preset measured (v
     res = {"preset": preset, "tokens": tokens, "points": points, "measured_bytes_per_row": int(slope), "intercept_bytes": int(icept),
            "estimate_bytes_per_row_fp32": formula, "measured_over_estimate": round(float(slope) / formula, 3),
            "per_layer_constant_measured": round(float(slope) / (cfg.layers * tokens * cfg.hidden), 1),
-           "per_layer_constant_formula_fp32": 68, "threads": torch.get_num_threads()}
+           "per_layer_constant_formula_fp32": round(formula / (cfg.layers * tokens * cfg.hidden), 1), "threads": torch.get_num_threads(),
+           "hwm_reset": all(p["hwm_reset"] for p in points)}
     if chunk_rows is not None:
         whole = points[-1]; ch = measure(whole["rows"], chunk_rows)
         res["chunked"] = {**ch, "whole_step_bytes": whole["step_bytes"], "chunked_over_whole": round(ch["step_bytes"] / whole["step_bytes"], 3),
@@ -295,7 +296,7 @@ def activation_memory(preset: str = "v2", # the EncoderConfig preset measured (v
     return res
 
 # %% ../nbs/05a_perf.ipynb #8add6cbe
-BF16_PEAK_TFLOPS = (("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0), ("A10", 125.0))   # dense bf16 tensor-core TFLOP/s (datasheets), by name, first match
+BF16_PEAK_TFLOPS = (("H200 NVL", 835.0), ("H100 NVL", 835.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0), ("A10", 125.0))   # dense bf16 tensor-core TFLOP/s (datasheets), by name, first match
 PROGRAM_V2 = {"hours": 5.4, "sequences_per_s": 5536, "steps": 52_548, "device": "RTX 6000 Pro (96 GB)", "source": "DESIGN.md: the program's v2 run, 5 h 24 m"}
 LENGTH_MIX = ((18, 6), (32, 10), (110, 35))       # (mean, sd) tokens of the three caption kinds assumed equally likely (alt-text, short LLaVA, long LLaVA)
 
@@ -366,7 +367,7 @@ def gpu_check(device=None, small: bool = False, # small: a tiny encoder and teac
         set_seed(seed)
         model = CaptionEncoder(dataclasses.replace(cfg, gradient_checkpointing=ckpt)).to(device).train()
         try: r = _timed_steps(model, dataclasses.replace(tc0, chunk_rows=chunk_rows), batches, targets, device, precision, warmup)
-        except torch.OutOfMemoryError as e:
+        except torch.cuda.OutOfMemoryError as e:         # torch.cuda's name: torch.OutOfMemoryError is torch >= 2.5 only
             r = {"out_of_memory": str(e).splitlines()[0][:300]}
         finally:
             del model
@@ -390,7 +391,9 @@ def gpu_check(device=None, small: bool = False, # small: a tiny encoder and teac
         for b in tb: mean_pool(teacher(input_ids=b.input_ids, attention_mask=b.attention_mask).last_hidden_state, b.attention_mask)
         if device.type == "cuda": torch.cuda.synchronize()
         t_rows = len(tlen) / (time.perf_counter() - t0)
-    est = train_memory_estimate(cfg, batch_size, tc0.max_tokens, precision)
+    longest = max(b.input_ids.shape[1] for b in batches)                     # the estimates at the tokens the timed batches pad to, not the ceiling
+    est = train_memory_estimate(cfg, batch_size, longest, precision)
+    est_chunk = train_memory_estimate(cfg, chunk, longest, precision)
     best = next((r for r in runs if "step_s" in r and r["label"] != "gradient checkpointing"), None) or next((r for r in runs if "step_s" in r), None)
     proj = {k: {"steps": s, "hours": round(s * best["step_s"] / 3600, 2) if best else None} for k, s in (("v2", TrainConfig.v2().max_steps), ("v2b", TrainConfig.v2b().max_steps))}
     return {"device": name, "card_gb": round(card, 1) if card else None, "precision": precision, "small": small, "torch": torch.__version__,
@@ -399,8 +402,8 @@ def gpu_check(device=None, small: bool = False, # small: a tiny encoder and teac
                         "mean_real": round(float(np.mean(lengths[:n])), 1), "mean_padded_row": round(mean_len, 1)},
             "peak_tflops": peak, "peak_from": "--peak-tflops" if peak_tflops else ("BF16_PEAK_TFLOPS" if peak else "no entry for this device: pass --peak-tflops"),
             "flops_per_token": fpt, "train_step": runs, "memory_fit": fit,
-            "estimate_vs_measured": {"estimate_gb_whole_batch": est["total_gb"], "measured_peak_gb_whole_batch": runs[0].get("peak_memory_gb"),
-                                     "estimate_gb_chunked": fit["estimate"]["total_gb"] if fit else None, "measured_peak_gb_chunked": runs[1].get("peak_memory_gb")},
+            "estimate_vs_measured": {"tokens": longest, "estimate_gb_whole_batch": est["total_gb"], "measured_peak_gb_whole_batch": runs[0].get("peak_memory_gb"),
+                                     "chunk_rows": chunk, "estimate_gb_chunked": est_chunk["total_gb"], "measured_peak_gb_chunked": runs[1].get("peak_memory_gb")},
             "teacher_embedding": {"shape": f"{tcfg.num_hidden_layers} x {tcfg.hidden_size} (BERT-base)" if not small else "tiny",
                                   "params": sum(p.numel() for p in teacher.parameters()), "rows_per_s": round(t_rows, 1)},
             "projection": {**proj, "from": best["label"] if best else None, "program": PROGRAM_V2}}

@@ -470,12 +470,13 @@ def relay_plan(cfg: RelayConfig) -> dict:
     relay = sum(p.numel() for p in Relay(cfg.student.hidden, cfg.width).parameters())
     stages = {s: {"steps": cfg.train_config(s).max_steps, "batch_size": cfg.train_config(s).batch_size, "lr": cfg.train_config(s).lr} for s in ("teacher", "student", "distill")}
     d, sh, L = stages["distill"], cfg.student, cfg.max_tokens
-    mem = {"weights_bytes": 2 * (counts["teacher"] + counts["student"]), "relay_state_bytes": 16 * relay * len(cfg.sites),
+    hub = cfg.teacher_hub is not None
+    mem = {"weights_bytes": (2 if hub else 4) * (counts["teacher"] + counts["student"]), "relay_state_bytes": 16 * relay * len(cfg.sites),
            "activation_bytes": 34 * sh.layers * L * d["batch_size"] * sh.hidden, "logit_bytes": 3 * 4 * d["batch_size"] * L * cfg.bpe_vocab}
     mem["total_gb"] = round(sum(mem.values()) / 1e9, 2)
-    rows = d["steps"] * d["batch_size"]
-    hub = cfg.teacher_hub is not None
-    return {"preset": cfg.name, "section": "12_relay", "rows": rows, "steps": d["steps"], "batch_size": d["batch_size"], "epochs": 1.0 if rows else 0.0,
+    rows = d["steps"] * d["batch_size"]               # the rows distillation reads: the corpus is counted when it is read, not here
+    return {"preset": cfg.name, "section": "12_relay", "rows": rows, "steps": d["steps"], "batch_size": d["batch_size"],
+            "epochs": d["steps"] * d["batch_size"] / rows if rows else 0.0,
             "warmup_steps": cfg.train_config("distill").warmup_steps, "precision": "bf16" if hub else "fp32", "rows_are": "rows distillation reads (steps x batch)",
             "stages_steps": stages, "models": {"teacher": cfg.teacher_hub or f"pretrained here: {cfg.teacher}", "student": cfg.student_hub or f"pretrained here: {cfg.student}"},
             "params": {**counts, "relay_per_site": relay, "relays": relay * len(cfg.sites), "sites": list(cfg.sites)},

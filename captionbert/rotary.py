@@ -344,7 +344,7 @@ def rotary_plan(cfg: RotaryConfig, # the study's size (and published stage)
     cmd = f"papermill nbs/11_rotary.ipynb out/11_rotary-{cfg.name}.ipynb -p preset {cfg.name}" + (f" -p stage {cfg.stage}" if cfg.stage else "")
     return {**{k: base[k] for k in ("rows", "corpus_rows", "steps", "batch_size", "epochs", "warmup_steps", "precision", "device", "maps", "target_dim")},
             "preset": cfg.name, "section": "11_rotary", "stage": cfg.stage, "train_preset": preset, "train_fraction": cfg.train_fraction,
-            "options": per, "seeds": list(cfg.seeds), "runs": [f"{o}-seed{s}" for s in cfg.seeds for o in cfg.options],
+            "options": per, "seeds": list(cfg.seeds), "runs": [f"{o}-seed{s}" for s in cfg.seeds for o in cfg.options],   # the option runs (option x seed) the study trains
             "stages": [*base["stages"][:3], cmd]}
 
 def main(argv=None) -> dict:

@@ -46,7 +46,7 @@ __all__ = ['TokenizedCorpus', 'RESUME_LOG', 'WHERE_KEYS', 'MEMORY_KEYS', 'DECLAR
            'run_name', 'resolve_encoder_config', 'with_extra', 'ConsensusRun', 'run_consensus_training', 'export_run',
            'run_card', 'export_student', 'export_current', 'score_student', 'scoring_code', 'scoring_code_version',
            'teacher_cache_key', 'score_teachers', 'train_memory_estimate', 'fit_memory', 'plan_run', 'accepting_config',
-           'card_memory_gb', 'main']
+           'with_checkpointing', 'memory_choice', 'card_memory_gb', 'main']
 
 # %% ../nbs/05_train.ipynb #c11b275e
 @dataclasses.dataclass(frozen=True)
@@ -254,7 +254,9 @@ class TrainStep:
         constants), so each chunk's loss, weighted by its share of the rows, is backpropagated as it comes — one forward.
         `chunking = "representations"`: rows meet in the loss (PairLoss: in-batch negatives), so GradCache (Gao et al. 2021): every chunk
         embedded without a graph, the loss and its gradient taken on those representations, then each chunk re-run with its graph (the
-        RNG state of its first pass restored, so dropout draws the same masks) and backpropagated with its slice — two forwards."""
+        RNG state of its first pass restored, so dropout draws the same masks) and backpropagated with its slice — two forwards.
+        With dropout on, a chunked step draws other masks than the whole batch would (another draw of the same distribution): the
+        equality is exact at dropout 0, every preset's."""
         how = getattr(loss_fn, "chunking", None)
         if how not in ("rows", "representations"):
             raise GuardError(f"chunk_rows={chunk} asks for the step in chunks, but the loss {type(loss_fn).__name__} declares no `chunking` "
@@ -575,13 +577,20 @@ class ConsensusLoss:
     chunking = "rows"     # a row's terms read its own output and the targets (constants): a chunked step is exact (TrainStep._chunked)
     def __init__(self, targets, # targets[row ids] -> [n, O]: targets.TargetRows (memory-mapped), or a tensor over every row
                  temperature: float = 0.07, mse_weight: float = 1.0):
-        self.targets, self.temperature, self.mse_weight = targets, temperature, mse_weight
+        self.targets, self.temperature, self.mse_weight, self._gathered = targets, temperature, mse_weight, None
     def __call__(self, model, batch: Batch, global_batch: Batch):
         out = model(batch.input_ids, batch.attention_mask).pooler_output
         out = out.to(torch.promote_types(out.dtype, torch.float32))                  # [b, O]: bf16 read in fp32, fp64 kept (the chunking tests)
-        t_all = self.targets[global_batch.rows].to(out.device)                       # [B, O] every target is a negative
+        if self._gathered is None or self._gathered[0] is not global_batch.rows:   # once a global batch, not once a chunk
+            self._gathered = (global_batch.rows, self.targets[global_batch.rows].to(out.device))
+        t_all = self._gathered[1]                                                    # [B, O] every target is a negative
         t_own = self.targets[batch.rows].to(out.device)                              # [b, O]
-        offset = int((global_batch.rows == batch.rows[0]).nonzero()[0]) if len(global_batch.rows) != len(batch.rows) else 0
+        if len(global_batch.rows) != len(batch.rows):                                 # a share or a chunk: found by its first row id
+            hits = (global_batch.rows == batch.rows[0]).nonzero()
+            if len(hits) != 1: raise GuardError(f"row {int(batch.rows[0])} is {len(hits)} times in the global batch: a share or chunk is placed by its first "
+                                                "row id, so the rows of a batch must be distinct (BatchPlan's are)")
+            offset = int(hits[0])
+        else: offset = 0
         labels = torch.arange(offset, offset + len(batch.rows), device=out.device)
         nce = F.cross_entropy(out @ t_all.T / self.temperature, labels)
         mse = F.mse_loss(out, t_own)
@@ -896,7 +905,7 @@ def student_config(student, # None: the preset's; a size (smoke, cpu, published,
         fields = {f.name for f in dataclasses.fields(EncoderConfig)} - {"name", "out_dim"}
         unknown = sorted(set(dims) - fields)
         if unknown: raise ValueError(f"student dims {unknown} are not EncoderConfig fields: use {sorted(fields)} (out_dim follows the targets' width)")
-        if dims: enc = dataclasses.replace(enc, name="custom", **dims)
+        if dims: enc = dataclasses.replace(enc, **({"name": "custom"} if set(dims) - {"gradient_checkpointing"} else {}), **dims)   # checkpointing alone: the same student
     own = EncoderConfig.preset(cfg.encoder)
     return None if dataclasses.replace(enc, out_dim=own.out_dim, name=own.name) == own else enc   # the preset's own dims, however named
 
@@ -1211,6 +1220,30 @@ def accepting_config(preset: str, # as for run_consensus_training
     return TrainConfig.preset(TrainConfig.canonical(resolve_preset(preset, TrainConfig.PRESETS, published="v2", section="05_train")),
                               accept_rows=accept_rows, chunk_rows=chunk_rows, compile=compile)
 
+def with_checkpointing(student # a student as student_config takes it (None, a size or dims text, a dict, a JSON object's text)
+                      ):
+    "The same student with gradient checkpointing on (how a step fits a card, not another student: run_name ignores it)."
+    if isinstance(student, str) and student.lstrip().startswith("{"): student = json.loads(student)
+    if isinstance(student, dict): return {**student, "gradient_checkpointing": True}
+    return (f"{student}," if student else "") + "gradient_checkpointing=true"
+
+def memory_choice(preset: str, # as for run_consensus_training
+                  world_size: int = 1, # processes (each takes batch_size / world_size rows)
+                  chunk_rows: Optional[int] = None, # the caller's chunks: kept as they are
+                  gpu_memory_gb: Optional[float] = None, # the card (card_memory_gb: else CUDA's own, else none)
+                  read_device: bool = True, # False (a dry run): only a card the caller names, never the machine's
+                  roster=None, teachers=None, captions=None, student=None, max_steps=None, accept_rows=None
+                 ) -> tuple:
+    "(chunk_rows, student, fit): the caller's chunks, else fit_memory's for a process's share on the card (the student with gradient checkpointing where it chooses it); fit is None where no card is known."
+    card = card_memory_gb(gpu_memory_gb) if read_device or gpu_memory_gb is not None else None
+    if chunk_rows is not None or card is None: return chunk_rows, student, None
+    name = TrainConfig.canonical(resolve_preset(preset, TrainConfig.PRESETS, published="v2", section="05_train"))
+    cfg = resolve_train_config(name, own_roster(roster, teachers), max_steps, accepting_config(name, accept_rows), captions)
+    enc = resolve_encoder_config(cfg, cfg.alignment_config().reference_width(), student_config(student, cfg))
+    fit = fit_memory(enc, cfg.batch_size // world_size, card, cfg.max_tokens, cfg.precision or "bf16")
+    if fit["gradient_checkpointing"] and not enc.gradient_checkpointing: student = with_checkpointing(student)
+    return fit["chunk_rows"], student, fit
+
 def card_memory_gb(gpu_memory_gb: Optional[float] = None # a card's memory named by the caller
                   ) -> Optional[float]:
     "The memory a step must fit: the caller's figure, else the CUDA device's own (GB), else None (a CPU: no card to fit)."
@@ -1254,20 +1287,16 @@ def main(argv: Optional[Sequence[str]] = None):
     teachers = None if a.teachers is None else [t for item in a.teachers for t in item.split(",") if t.strip()]
     if teachers is not None and a.roster is not None: ap.error("--roster and --teachers both name the roster: pass one")
     world = a.world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    student = a.student
-    if a.gradient_checkpointing: student = (student + "," if student else "") + "gradient_checkpointing=true"
+    student = with_checkpointing(a.student) if a.gradient_checkpointing else a.student
+    chunk, student, fit = memory_choice(a.preset, world, a.chunk_rows, a.gpu_memory_gb, not a.dry_run, a.roster, teachers, a.captions,
+                                        student, a.max_steps, a.accept_rows)     # a dry run reads no device: only the card named
     own = dict(teachers=teachers, captions=a.captions, student=student)
-    chunk, card = a.chunk_rows, card_memory_gb(a.gpu_memory_gb)
-    if chunk is None and card is not None:         # the plan's choice for this card (no network, no GPU work)
-        fit = plan_run(a.preset, a.seed, a.roster, a.max_steps, world, train_config=accepting_config(a.preset, a.accept_rows), gpu_memory_gb=card, **own)["memory_fit"]
-        chunk = fit["chunk_rows"]
-        if fit["gradient_checkpointing"] and not a.gradient_checkpointing:
-            own["student"] = (a.student + "," if a.student else "") + "gradient_checkpointing=true"
-        if not a.dry_run: print(f"memory: {card:.1f} GB card -> chunk_rows {chunk}, gradient checkpointing {fit['gradient_checkpointing']} "
-                                f"(estimate {fit['estimate']['total_gb']} GB of a {fit['budget_gb']} GB budget)")
+    if fit and not a.dry_run and int(os.environ.get("RANK", "0")) == 0:
+        print(f"memory: {fit['gpu_memory_gb']:.1f} GB card -> chunk_rows {chunk}, gradient checkpointing {fit['gradient_checkpointing']} "
+              f"(estimate {fit['estimate']['total_gb']} GB of a {fit['budget_gb']} GB budget)")
     tc = accepting_config(a.preset, a.accept_rows, chunk, a.compile)
     if a.dry_run:
-        return emit_plan(plan_run(a.preset, a.seed, a.roster, a.max_steps, world, train_config=tc, gpu_memory_gb=card, **own))
+        return emit_plan(plan_run(a.preset, a.seed, a.roster, a.max_steps, world, train_config=tc, gpu_memory_gb=a.gpu_memory_gb, **own))
     device = a.device
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         cuda = torch.cuda.is_available()

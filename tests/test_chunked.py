@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _dist import one_and_two_processes
+from _dist import one_and_two_processes, spawn_gloo
 from captionbert.amoe import PairLoss, PairPlan, grammar_pairs
 from captionbert.core import GuardError, RunDir, set_seed
 from captionbert.data import load_tokenizer
@@ -168,3 +168,48 @@ def test_a_compiled_run_trains_the_eager_weights(tmp_path):
     assert _apart(out["eager"], out["compiled"]) < 1e-5, _apart(out["eager"], out["compiled"])
     assert _apart(out["eager"], CaptionEncoder(EncoderConfig.tiny()).state_dict()) > 1e-4, "nothing trained"
     with pytest.raises(ValueError, match="not a torch.compile backend"): TrainConfig.smoke(compile="inductr")
+
+
+def _ddp_share_grads(rank, world, chunk_rows, out):
+    "In a gloo group: each process's share of one global batch through DDP and TrainStep.backward in chunks; rank 0 saves the all-reduced gradients."
+    corpus, targets = _consensus(torch.float64)
+    set_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(CaptionEncoder(EncoderConfig.tiny()).double())
+    gb = corpus.batch(np.arange(24)); share = len(gb) // world
+    step = TrainStep(model, TrainConfig.smoke(chunk_rows=chunk_rows), torch.device("cpu"), "fp32")
+    step.backward(model, ConsensusLoss(targets), gb[rank * share:(rank + 1) * share], gb, 0)
+    if rank == 0: torch.save({n: p.grad.clone() for n, p in model.module.named_parameters() if p.grad is not None}, out)
+
+
+def test_two_gloo_processes_in_chunks_take_the_whole_batch_gradient(tmp_path):
+    "The gradient itself, not weights after Adam (which is blind to the gradient's scale): 2 processes x chunks of 5 = 1 process whole, fp64."
+    corpus, targets = _consensus(torch.float64)
+    set_seed(0)
+    model = CaptionEncoder(EncoderConfig.tiny()).double()
+    _, _, whole = _grads(model, ConsensusLoss(targets), corpus.batch(np.arange(24)), None)
+    spawn_gloo(_ddp_share_grads, 2, 5, str(tmp_path / "ddp.pt"))
+    ddp = torch.load(tmp_path / "ddp.pt")
+    assert ddp.keys() == whole.keys()
+    assert _worst(whole, ddp) < 1e-10, f"2 processes in chunks: gradient differs from the whole batch's by {_worst(whole, ddp)}"
+    doubled = {k: 2 * v for k, v in ddp.items()}                # a planted scale fault (summed, not averaged, across ranks) is caught
+    assert _worst(whole, doubled) > 0.5, _worst(whole, doubled)
+
+
+def _ddp_pair_grads(rank, world, chunk_rows, out):
+    "In a gloo group: each process's share of one pair batch (negatives gathered across ranks) through DDP and GradCache chunks; rank 0 saves the gradients."
+    set_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(CaptionEncoder(EncoderConfig.tiny()).double())
+    gb = PairPlan(load_tokenizer(), grammar_pairs("paraphrase", n=32, seed=0), 12, seed=0)(0); share = len(gb) // world
+    step = TrainStep(model, TrainConfig.smoke(chunk_rows=chunk_rows), torch.device("cpu"), "fp32")
+    step.backward(model, PairLoss(), gb[rank * share:(rank + 1) * share], gb, 0)
+    if rank == 0: torch.save({n: p.grad.clone() for n, p in model.module.named_parameters() if p.grad is not None}, out)
+
+
+def test_gradcache_under_two_gloo_processes_takes_the_whole_batch_gradient(tmp_path):
+    "GradCache with the pair loss's cross-rank negatives (_GatherRows inside from_representations): 2 processes x chunks of 5 = 1 process whole, fp64."
+    set_seed(0)
+    model = CaptionEncoder(EncoderConfig.tiny()).double()
+    _, _, whole = _grads(model, PairLoss(), PairPlan(load_tokenizer(), grammar_pairs("paraphrase", n=32, seed=0), 12, seed=0)(0), None)
+    spawn_gloo(_ddp_pair_grads, 2, 5, str(tmp_path / "ddp.pt"))
+    ddp = torch.load(tmp_path / "ddp.pt")
+    assert _worst(whole, ddp) < 1e-10, f"GradCache under 2 processes: gradient differs from the whole batch's by {_worst(whole, ddp)}"
