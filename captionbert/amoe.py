@@ -356,7 +356,7 @@ class PairLoss:
         rank, world = _world()
         if world > 1:                  # negatives from every rank, gradients sent back to the rank that owns them
             a_all, b_all = _GatherRows.apply(a), _GatherRows.apply(b)                       # [B, O]
-            ids = [torch.empty_like(rows) for _ in range(world)]; dist.all_gather(ids, rows)
+            on = rows.to(out.device); ids = [torch.empty_like(on) for _ in range(world)]; dist.all_gather(ids, on); ids = [i.cpu() for i in ids]   # NCCL gathers device tensors
             if not torch.equal(torch.cat(ids), g):
                 raise GuardError(f"the shards gathered across {world} ranks are not the global batch in order (rows {torch.cat(ids)[:6].tolist()}... "
                                  f"!= {g[:6].tolist()}...): every rank must take its contiguous share of the same global batch")
