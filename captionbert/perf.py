@@ -26,8 +26,8 @@ from .train import ConsensusLoss, TrainConfig, TrainStep, fit_memory, train_memo
 # %% auto #0
 __all__ = ['PARAM_TOLERANCE', 'STEP', 'MATMUL_OPS', 'BF16_PEAK_TFLOPS', 'PROGRAM_V2', 'LENGTH_MIX', 'BertTwin', 'check_same_size',
            'step_loss', 'summarize', 'train_step_benchmark', 'pair_step_benchmark', 'routed_step_benchmark',
-           'profile_step', 'caption_batches', 'model_flops_per_step', 'activation_memory', 'device_peak_tflops',
-           'synthetic_lengths', 'synthetic_batch', 'flops_per_token', 'gpu_check', 'main']
+           'profile_step', 'caption_batches', 'flops_per_token', 'model_flops_per_step', 'activation_memory',
+           'device_peak_tflops', 'synthetic_lengths', 'synthetic_batch', 'gpu_check', 'main']
 
 # %% ../nbs/05a_perf.ipynb #adcdd9ae
 PARAM_TOLERANCE = 0.01  # the twin's parameter count may differ from the encoder's by at most this fraction of it
@@ -240,14 +240,15 @@ def caption_batches(batch_size: int, # rows per batch
     plan = LengthBucketSampler(lengths, batch_size, seed=0).batches(0)
     return [collate([ids[i] for i in rows], rows) for rows in plan[:n_batches]], padding_report(lengths, plan), src
 
-def model_flops_per_step(cfg: EncoderConfig, batches: Sequence) -> float:
-    "Approximate training FLOPs of one pass over `batches` (6 x non-embedding params x tokens + attention)."
+def flops_per_token(cfg: EncoderConfig, tokens: int # the row's (padded) length
+                   ) -> float:
+    "Training FLOPs a token by nanoGPT's rule: 6 x non-embedding parameters + 12 x layers x heads x head dim x row length (attention scores and values, fwd+bwd)."
     body = cfg.layers * (4 * cfg.hidden ** 2 + 2 * cfg.hidden * cfg.ffn_hidden) + cfg.hidden * cfg.head_hidden + cfg.head_hidden * cfg.out_dim
-    flops = 0.0
-    for b in batches:
-        B, L = b.input_ids.shape
-        flops += 6 * body * B * L + 6 * 2 * cfg.layers * B * L * L * cfg.hidden   # dense + attention scores/values, fwd+bwd
-    return flops
+    return 6 * body + 12 * cfg.layers * cfg.hidden * tokens
+
+def model_flops_per_step(cfg: EncoderConfig, batches: Sequence) -> float:
+    "Approximate training FLOPs of one pass over `batches`: flops_per_token at each batch's padded length, times its padded tokens."
+    return float(sum(flops_per_token(cfg, b.input_ids.shape[1]) * b.input_ids.numel() for b in batches))
 
 # %% ../nbs/05a_perf.ipynb #36a5e229
 def _peak_step(preset: str, rows: int, tokens: int, chunk_rows: int | None = None) -> dict:
@@ -300,6 +301,9 @@ BF16_PEAK_TFLOPS = (("H200 NVL", 835.0), ("H100 NVL", 835.0), ("H200", 989.0), (
 PROGRAM_V2 = {"hours": 5.4, "sequences_per_s": 5536, "steps": 52_548, "device": "RTX 6000 Pro (96 GB)", "source": "DESIGN.md: the program's v2 run, 5 h 24 m"}
 LENGTH_MIX = ((18, 6), (32, 10), (110, 35))       # (mean, sd) tokens of the three caption kinds assumed equally likely (alt-text, short LLaVA, long LLaVA)
 
+def _meta_params(cfg: EncoderConfig) -> int:
+    with torch.device("meta"): return n_params(CaptionEncoder(cfg))      # counted without allocating a weight
+
 def device_peak_tflops(name: str, # torch.cuda.get_device_name()
                       ) -> float | None:
     "The dense bf16 peak of a device by its name (BF16_PEAK_TFLOPS, first match; 'A10' is not 'A100'), or None."
@@ -320,11 +324,6 @@ def synthetic_batch(lengths: Sequence[int], vocab: int, seed: int = 0) -> Batch:
     "Random token ids ([CLS] ... [SEP]) of the given lengths, right-padded, as a Batch."
     g = torch.Generator().manual_seed(seed)
     return collate([[101] + torch.randint(1000, vocab, (max(0, int(n) - 2),), generator=g).tolist() + [102] for n in lengths])
-
-def flops_per_token(cfg: EncoderConfig, tokens: int) -> float:
-    "nanoGPT's rule for a training step: 6 x non-embedding parameters + 12 x layers x heads x head dim x row length."
-    body = cfg.layers * (4 * cfg.hidden ** 2 + 2 * cfg.hidden * cfg.ffn_hidden) + cfg.hidden * cfg.head_hidden + cfg.head_hidden * cfg.out_dim
-    return 6 * body + 12 * cfg.layers * cfg.hidden * tokens
 
 def _timed_steps(model, tc: TrainConfig, batches: Sequence, targets: torch.Tensor, device, precision: str, warmup: int) -> dict:
     "Time TrainStep over `batches` (the first `warmup` untimed): seconds a step, rows and real tokens a second, the peak memory."
@@ -362,7 +361,7 @@ def gpu_check(device=None, small: bool = False, # small: a tiny encoder and teac
     card = torch.cuda.get_device_properties(device).total_memory / 1e9 if device.type == "cuda" else None
     peak = peak_tflops or (device_peak_tflops(name) if device.type == "cuda" else None)
     mean_len = float(np.mean([b.input_ids.shape[1] for b in batches]))
-    fpt = flops_per_token(cfg, int(mean_len))
+    step_flops = model_flops_per_step(cfg, batches[warmup:]) / len(batches[warmup:])   # a timed step's FLOPs, each batch at its own padded length
     def run(label, chunk_rows=None, ckpt=False):
         set_seed(seed)
         model = CaptionEncoder(dataclasses.replace(cfg, gradient_checkpointing=ckpt)).to(device).train()
@@ -373,7 +372,7 @@ def gpu_check(device=None, small: bool = False, # small: a tiny encoder and teac
             del model
             if device.type == "cuda": torch.cuda.empty_cache()
         if "tokens_per_s" in r:
-            r["mfu"] = round(r["padded_tokens_per_s"] * fpt / (peak * 1e12), 4) if peak else None   # padded tokens: the FLOPs the device ran
+            r["mfu"] = round(step_flops / r["step_s"] / (peak * 1e12), 4) if peak else None   # padded tokens: the FLOPs the device ran
         return {"label": label, "chunk_rows": chunk_rows, "gradient_checkpointing": ckpt, **r}
     fit = fit_memory(cfg, batch_size, card, tc0.max_tokens, precision) if card else None
     chunk = (fit["chunk_rows"] if fit and fit["chunk_rows"] else max(1, batch_size // 4))   # on a card that holds the whole batch: quarters
@@ -397,11 +396,11 @@ def gpu_check(device=None, small: bool = False, # small: a tiny encoder and teac
     best = next((r for r in runs if "step_s" in r and r["label"] != "gradient checkpointing"), None) or next((r for r in runs if "step_s" in r), None)
     proj = {k: {"steps": s, "hours": round(s * best["step_s"] / 3600, 2) if best else None} for k, s in (("v2", TrainConfig.v2().max_steps), ("v2b", TrainConfig.v2b().max_steps))}
     return {"device": name, "card_gb": round(card, 1) if card else None, "precision": precision, "small": small, "torch": torch.__version__,
-            "encoder": cfg.name, "params": n_params(CaptionEncoder(cfg)), "batch_size": batch_size, "steps_timed": steps, "warmup": warmup,
+            "encoder": cfg.name, "params": _meta_params(cfg), "batch_size": batch_size, "steps_timed": steps, "warmup": warmup,
             "lengths": {"assumed": "equal mixture of N(18,6), N(32,10), N(110,35) tokens, clipped to [8, 256] (LENGTH_MIX)",
                         "mean_real": round(float(np.mean(lengths[:n])), 1), "mean_padded_row": round(mean_len, 1)},
             "peak_tflops": peak, "peak_from": "--peak-tflops" if peak_tflops else ("BF16_PEAK_TFLOPS" if peak else "no entry for this device: pass --peak-tflops"),
-            "flops_per_token": fpt, "train_step": runs, "memory_fit": fit,
+            "flops_per_step": step_flops, "train_step": runs, "memory_fit": fit,
             "estimate_vs_measured": {"tokens": longest, "estimate_gb_whole_batch": est["total_gb"], "measured_peak_gb_whole_batch": runs[0].get("peak_memory_gb"),
                                      "chunk_rows": chunk, "estimate_gb_chunked": est_chunk["total_gb"], "measured_peak_gb_chunked": runs[1].get("peak_memory_gb")},
             "teacher_embedding": {"shape": f"{tcfg.num_hidden_layers} x {tcfg.hidden_size} (BERT-base)" if not small else "tiny",
