@@ -411,7 +411,7 @@ def gpu_check(device=None, small: bool = False, # small: a tiny encoder and teac
 def main(argv: Sequence[str] | None = None) -> dict:
     "Command-line entry point: print the figures as one JSON object."
     ap = argparse.ArgumentParser(prog="python -m captionbert.perf", description="Full training-step throughput vs transformers.BertModel of the same size.")
-    ap.add_argument("--preset", default="cpu", help="EncoderConfig preset: tiny, cpu or v2")
+    ap.add_argument("--preset", default=None, help="EncoderConfig preset: tiny, cpu or v2 (default: cpu; with --activation-memory, v2)")
     ap.add_argument("--batch-size", type=int, default=256, help="rows per batch (the cpu training preset uses 256)")
     ap.add_argument("--batches", type=int, default=12, help="distinct batches timed per round")
     ap.add_argument("--rounds", type=int, default=4)
@@ -438,8 +438,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         if a.out: atomic_write_json(a.out, res)
         print(json.dumps(res, indent=2)); return res
     if a.activation_memory:
-        res = activation_memory(a.preset, [int(r) for r in a.rows.split(",")], a.tokens, a.chunk_rows or None)
+        res = activation_memory(a.preset or "v2", [int(r) for r in a.rows.split(",")], a.tokens, a.chunk_rows or None)
         print(json.dumps(res, indent=2)); return res
+    a.preset = a.preset or "cpu"
     cfg = EncoderConfig.preset(a.preset)
     batches, pad, src = caption_batches(a.batch_size, a.batches)
     head = {"preset": a.preset, "batch_size": a.batch_size, "captions": repr(src), "torch": torch.__version__}

@@ -36,19 +36,21 @@ from .rosters import carry_line, explore_roster
 from .teachers import ROSTERS, load_teachers, probe_teachers, roster as teacher_roster, roster_label, roster_text, teacher_identities
 
 # %% auto #0
-__all__ = ['TokenizedCorpus', 'RESUME_LOG', 'WHERE_KEYS', 'MEMORY_KEYS', 'DECLARED_KEYS', 'TrainConfig', 'summed_lr', 'lr_at',
-           'BatchPlan', 'param_groups', 'TrainStep', 'save_weights', 'latest_checkpoint', 'load_checkpoint',
-           'resume_checkpoint', 'set_aside_newer', 'NothingToTrain', 'config_changes', 'config_defaults',
-           'check_resume_config', 'TrainResult', 'train', 'ConsensusLoss', 'frame_gap', 'frame_gap_floor',
-           'mimicry_line', 'ConsensusGauges', 'own_inputs', 'explore_first', 'resolve_targets', 'check_roster',
-           'declared_changes', 'run_targets', 'caption_source', 'training_range', 'RunRows', 'run_rows',
+__all__ = ['COMPILE_BACKENDS', 'TokenizedCorpus', 'RESUME_LOG', 'WHERE_KEYS', 'MEMORY_KEYS', 'DECLARED_KEYS', 'TrainConfig',
+           'summed_lr', 'lr_at', 'BatchPlan', 'param_groups', 'TrainStep', 'save_weights', 'latest_checkpoint',
+           'load_checkpoint', 'resume_checkpoint', 'set_aside_newer', 'NothingToTrain', 'config_changes',
+           'config_defaults', 'check_resume_config', 'TrainResult', 'train', 'ConsensusLoss', 'frame_gap',
+           'frame_gap_floor', 'mimicry_line', 'ConsensusGauges', 'own_inputs', 'explore_first', 'resolve_targets',
+           'check_roster', 'declared_changes', 'run_targets', 'caption_source', 'training_range', 'RunRows', 'run_rows',
            'assert_same_rows', 'texts_of', 'resolve_train_config', 'own_roster', 'student_config', 'student_text',
            'run_name', 'resolve_encoder_config', 'with_extra', 'ConsensusRun', 'run_consensus_training', 'export_run',
            'run_card', 'export_student', 'export_current', 'score_student', 'scoring_code', 'scoring_code_version',
-           'teacher_cache_key', 'score_teachers', 'train_memory_estimate', 'fit_memory', 'plan_run', 'accepting_config',
-           'with_checkpointing', 'memory_choice', 'card_memory_gb', 'main']
+           'teacher_cache_key', 'score_teachers', 'train_memory_estimate', 'fit_memory', 'card_memory_gb', 'card_fit',
+           'plan_run', 'accepting_config', 'with_checkpointing', 'memory_choice', 'main']
 
 # %% ../nbs/05_train.ipynb #c11b275e
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")   # torch.compile backends a training run may name (dynamo also lists test and minifier ones)
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     "Optimization, schedule, logging and checkpointing of a training run."
@@ -97,8 +99,8 @@ class TrainConfig:
                 raise ValueError(f"lr_scales entry {(k, m)!r}: a parameter-name suffix needs a finite positive multiplier")
         if len({k for k, _ in scales}) != len(scales): raise ValueError(f"lr_scales names a suffix twice: {scales}")
         object.__setattr__(self, "lr_scales", scales)
-        if self.compile is not None and self.compile not in torch._dynamo.list_backends(exclude_tags=()):
-            raise ValueError(f"compile={self.compile!r} is not a torch.compile backend: one of {sorted(torch._dynamo.list_backends(exclude_tags=()))}, or None (eager)")
+        if self.compile is not None and self.compile not in COMPILE_BACKENDS:
+            raise ValueError(f"compile={self.compile!r} is not a torch.compile backend for training: one of {list(COMPILE_BACKENDS)}, or None (eager)")
         if self.chunk_rows is not None and (isinstance(self.chunk_rows, bool) or not isinstance(self.chunk_rows, int) or self.chunk_rows < 1):
             raise ValueError(f"chunk_rows must be a positive number of rows or None (the whole share), got {self.chunk_rows!r}")
     def alignment_config(self):
@@ -1133,6 +1135,8 @@ def fit_memory(enc_cfg, # the student's EncoderConfig
     headroom x the card, with the encoder's gradient checkpointing only where no chunk fits without it. Chunking comes first: a
     row-separable loss (ConsensusLoss) chunks with no extra compute, while checkpointing recomputes every block's forward.
     GuardError where even one row with checkpointing does not fit."""
+    if rows < 1: raise ValueError(f"a process's share of the batch is {rows} rows: fewer processes than rows, please")
+    if not gpu_memory_gb > 0: raise ValueError(f"a card's memory is a positive number of GB, got {gpu_memory_gb}")
     budget = headroom * gpu_memory_gb * 1e9
     def first_fit(cfg):
         c = rows
@@ -1148,6 +1152,19 @@ def fit_memory(enc_cfg, # the student's EncoderConfig
                     "gradient_checkpointing": ckpt, "estimate": est}
     raise GuardError(f"a step does not fit {gpu_memory_gb} GB: one row at {tokens} tokens with gradient checkpointing is estimated at "
                      f"{est['total_gb']} GB, over {headroom:.0%} of the card ({budget / 1e9:.1f} GB)")
+
+def card_memory_gb(gpu_memory_gb: Optional[float] = None # a card's memory named by the caller
+                  ) -> Optional[float]:
+    "The memory a step must fit: the caller's figure, else the CUDA device's own (GB), else None (a CPU: no card to fit)."
+    if gpu_memory_gb is not None:
+        if not gpu_memory_gb > 0: raise ValueError(f"--gpu-memory-gb must be positive, got {gpu_memory_gb}")
+        return float(gpu_memory_gb)
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 1e9 if torch.cuda.is_available() else None
+
+def card_fit(cfg: TrainConfig, enc, # the run's recipe and student (resolved)
+             world_size: int, card: float) -> dict:
+    "fit_memory for a process's share of the recipe's batch on a card, at the run's precision on a GPU (bf16 unless the recipe names one): the one chunk decision, for runs and plans alike."
+    return fit_memory(enc, cfg.batch_size // world_size, card, cfg.max_tokens, cfg.precision or "bf16")
 
 def plan_run(preset: str = "auto", # as for run_consensus_training
              seed: int = 0, roster: Optional[str] = None, max_steps: Optional[int] = None,
@@ -1189,8 +1206,8 @@ def plan_run(preset: str = "auto", # as for run_consensus_training
     accept = f" --accept-rows {cfg.accept_rows}" if cfg.accept_rows is not None else ""
     roster_arg, captions_arg = (f" --roster {shlex.quote(cfg.roster)}" if cfg.roster else ""), (f" --captions {shlex.quote(cfg.captions)}" if cfg.captions else "")
     student_arg = "" if encoder_config is None else f" --student {shlex.quote(student_text(encoder_config, cfg))}"
-    fit = None if gpu_memory_gb is None else fit_memory(enc, per_rank, gpu_memory_gb, cfg.max_tokens, precision)
-    chunk = cfg.chunk_rows if cfg.chunk_rows is not None else (fit["chunk_rows"] if fit else None)   # a recipe's own chunks are kept
+    fit = None if gpu_memory_gb is None or cfg.chunk_rows is not None else card_fit(cfg, enc, world_size, card_memory_gb(gpu_memory_gb))   # a recipe's own chunks are kept
+    chunk = cfg.chunk_rows if cfg.chunk_rows is not None else (fit["chunk_rows"] if fit else None)
     memory_arg = (f" --chunk-rows {chunk}" if chunk else "") + (" --gradient-checkpointing" if fit and fit["gradient_checkpointing"] and not enc.gradient_checkpointing else "")
     return {"preset": name, "section": "05_train", "seed": seed, "rows": rows, "corpus_rows": corpus_rows, "corpus": corpus, **split.describe(),
             "steps": cfg.max_steps, "batch_size": cfg.batch_size, "epochs": round(cfg.max_steps * cfg.batch_size / rows, 4),
@@ -1240,17 +1257,9 @@ def memory_choice(preset: str, # as for run_consensus_training
     name = TrainConfig.canonical(resolve_preset(preset, TrainConfig.PRESETS, published="v2", section="05_train"))
     cfg = resolve_train_config(name, own_roster(roster, teachers), max_steps, accepting_config(name, accept_rows), captions)
     enc = resolve_encoder_config(cfg, cfg.alignment_config().reference_width(), student_config(student, cfg))
-    fit = fit_memory(enc, cfg.batch_size // world_size, card, cfg.max_tokens, cfg.precision or "bf16")
+    fit = card_fit(cfg, enc, world_size, card)
     if fit["gradient_checkpointing"] and not enc.gradient_checkpointing: student = with_checkpointing(student)
     return fit["chunk_rows"], student, fit
-
-def card_memory_gb(gpu_memory_gb: Optional[float] = None # a card's memory named by the caller
-                  ) -> Optional[float]:
-    "The memory a step must fit: the caller's figure, else the CUDA device's own (GB), else None (a CPU: no card to fit)."
-    if gpu_memory_gb is not None:
-        if not gpu_memory_gb > 0: raise ValueError(f"--gpu-memory-gb must be positive, got {gpu_memory_gb}")
-        return float(gpu_memory_gb)
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 1e9 if torch.cuda.is_available() else None
 
 def main(argv: Optional[Sequence[str]] = None):
     "Command-line entry point (torchrun-aware): train a student on consensus targets, export it, and optionally score it."
@@ -1295,8 +1304,9 @@ def main(argv: Optional[Sequence[str]] = None):
         print(f"memory: {fit['gpu_memory_gb']:.1f} GB card -> chunk_rows {chunk}, gradient checkpointing {fit['gradient_checkpointing']} "
               f"(estimate {fit['estimate']['total_gb']} GB of a {fit['budget_gb']} GB budget)")
     tc = accepting_config(a.preset, a.accept_rows, chunk, a.compile)
-    if a.dry_run:
-        return emit_plan(plan_run(a.preset, a.seed, a.roster, a.max_steps, world, train_config=tc, gpu_memory_gb=a.gpu_memory_gb, **own))
+    if a.dry_run:            # the plan makes the same card_fit itself (and shows it): it gets the caller's chunks, not the choice
+        return emit_plan(plan_run(a.preset, a.seed, a.roster, a.max_steps, world, train_config=accepting_config(a.preset, a.accept_rows, a.chunk_rows, a.compile),
+                                  gpu_memory_gb=a.gpu_memory_gb, **own))
     device = a.device
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         cuda = torch.cuda.is_available()
