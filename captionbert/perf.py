@@ -298,7 +298,7 @@ def activation_memory(preset: str = "v2", # the EncoderConfig preset measured (v
 
 # %% ../nbs/05a_perf.ipynb #8add6cbe
 BF16_PEAK_TFLOPS = (("H200 NVL", 835.0), ("H100 NVL", 835.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0), ("A10", 125.0))   # dense bf16 tensor-core TFLOP/s (datasheets), by name, first match
-PROGRAM_V2 = {"hours": 5.4, "sequences_per_s": 5536, "steps": 52_548, "device": "RTX 6000 Pro (96 GB)", "source": "DESIGN.md: the program's v2 run, 5 h 24 m"}
+PROGRAM_V2 = {"hours": 5.4, "sequences_per_s": 5536, "steps": 52_548, "device": "RTX 6000 Pro (96 GB)", "source": "seeds/000 technical companion §2: v2, 52,548 steps of 2048 in 5h24m on a single RTX 6000 Pro"}
 LENGTH_MIX = ((18, 6), (32, 10), (110, 35))       # (mean, sd) tokens of the three caption kinds assumed equally likely (alt-text, short LLaVA, long LLaVA)
 
 def _meta_params(cfg: EncoderConfig) -> int:
