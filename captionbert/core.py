@@ -17,12 +17,12 @@ from safetensors import safe_open
 from . import __version__
 
 # %% auto #0
-__all__ = ['PRECISIONS', 'FAULT_VAR', 'FAULT_KINDS', 'SIZES', 'PLAN_KEYS', 'repo_root', 'GuardError', 'set_seed', 'pick_device',
-           'pick_precision', 'autocast', 'fault_point', 'sha256_file', 'sha256_bytes', 'current_umask', 'atomic_path',
-           'temporary_writer', 'atomic_write_bytes', 'check_writable', 'to_jsonable', 'atomic_write_json',
-           'read_safetensors', 'read_lines', 'folder_lock', 'pid_alive', 'RunLock', 'keep_run_locks', 'code_version',
-           'stage_hash', 'resolve_preset', 'Presets', 'member_of', 'emit_plan', 'stale_temporaries',
-           'remove_temporaries', 'RunDir']
+__all__ = ['PRECISIONS', 'FAULT_VAR', 'FAULT_KINDS', 'SIZES', 'PLAN_KEYS', 'repo_root', 'interactive_session', 'GuardError',
+           'set_seed', 'pick_device', 'pick_precision', 'autocast', 'fault_point', 'sha256_file', 'sha256_bytes',
+           'current_umask', 'atomic_path', 'temporary_writer', 'atomic_write_bytes', 'check_writable', 'to_jsonable',
+           'atomic_write_json', 'read_safetensors', 'read_lines', 'folder_lock', 'pid_alive', 'RunLock',
+           'keep_run_locks', 'code_version', 'stage_hash', 'resolve_preset', 'Presets', 'member_of', 'emit_plan',
+           'stale_temporaries', 'remove_temporaries', 'RunDir']
 
 # %% ../nbs/00_core.ipynb #df8692ea
 def repo_root() -> Path | None:
@@ -32,6 +32,16 @@ def repo_root() -> Path | None:
         p = d / "pyproject.toml"
         if p.exists() and 'name = "captionbert"' in p.read_text(): return d
     return None
+
+
+# %% ../nbs/00_core.ipynb #d8853ffe
+def interactive_session() -> bool:
+    "True in a notebook a person has open (JupyterLab and Notebook give the kernel JPY_SESSION_NAME, VS Code __vsc_ipynb_file__); False under papermill, nbdev-test and scripts."
+    if os.environ.get("JPY_SESSION_NAME"): return True
+    try: from IPython import get_ipython      # deferred: IPython is there only in a kernel
+    except ImportError: return False
+    ip = get_ipython()
+    return ip is not None and "__vsc_ipynb_file__" in ip.user_ns
 
 
 # %% ../nbs/00_core.ipynb #03855c84

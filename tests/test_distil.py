@@ -202,6 +202,7 @@ def test_papermill_parameters_reach_the_plan(tmp_path):
     from captionbert.teachers import roster_label
     caps = _captions(tmp_path / "caps.txt", 16_000)
     out = tmp_path / "out.ipynb"
+    library = {p: p.stat().st_mtime_ns for p in (ROOT / "captionbert").glob("*.py")}
     papermill.execute_notebook(str(ROOT / "nbs" / "05_train.ipynb"), str(out), cwd=str(ROOT / "nbs"), kernel_name="python3", progress_bar=False,
                                parameters={"preset": "smoke", "dry_run": True, "teachers": ["minilm-L6", "paraphrase-L3", "glove-50d"],
                                            "captions": str(caps), "student": "cpu", "run_dir": str(tmp_path / "run")})
@@ -213,6 +214,8 @@ def test_papermill_parameters_reach_the_plan(tmp_path):
     assert plan["stages"][3].endswith(f" --roster {roster} --captions {caps} --student cpu"), plan["stages"][3]
     assert plan["stages"][4] == f"python -m captionbert.benchmark --model runs/05_train-smoke-{roster_label(roster)}-{captions_label(str(caps))}-student-cpu-seed0/export"
     assert not (tmp_path / "run").exists()
+    # the closing nbdev-export cell ran headless and left the library alone (it rewrote every module under the other tests before)
+    assert {p: p.stat().st_mtime_ns for p in (ROOT / "captionbert").glob("*.py")} == library
 
 
 def test_papermill_command_line_values_reach_the_roster_and_the_student():

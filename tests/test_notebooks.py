@@ -120,3 +120,10 @@ def test_nbdev_names_no_missing_notebook():
     nb = ROOT / cfg.nbs_path / cfg.readme_nb
     declared = "readme_nb" in (ROOT / "pyproject.toml").read_text()
     assert nb.exists() or not declared, f"pyproject.toml names {nb.name} as the readme notebook, but it does not exist"
+
+
+def test_export_cells_leave_a_headless_run_alone():
+    "Every notebook's nbdev-export call sits behind interactive_session(): papermill runs every cell, `#| eval: false` included."
+    bad = [nb.name for nb in NOTEBOOKS for c in _cells(nb) if c["cell_type"] == "code"
+           for line in "".join(c["source"]).splitlines() if "nbdev_export()" in line and not line.startswith("if interactive_session():")]
+    assert not bad, f"an unguarded nbdev_export() in {bad}"
