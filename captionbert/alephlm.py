@@ -25,7 +25,8 @@ from .data import collate, sorted_batches
 from .encoder import CaptionEncoder, EncoderConfig, n_params
 from .gauges import effective_rank
 from .teachers import load_teachers, reference_member, roster
-from .train import TrainConfig, plan_run, run_consensus_training, summed_lr
+from .loop import TrainConfig, summed_lr
+from .train import plan_run, run_consensus_training
 
 # %% ../nbs/08_alephlm.ipynb #afa70166
 ARMS = {   # arm -> (what it is, its EncoderConfig flags); every arm reads out the CLS token
@@ -89,7 +90,7 @@ class AlephConfig(Presets):
         m = routing_budget_scale(tc, AlephConfig.published().train_config())
         return dataclasses.replace(tc, lr_scales=tuple((k, m) for k in ROUTING_PARAMS))
     def routing_travel(self) -> dict:
-        "How far Adam can carry an anchored arm's routing parameters at this size: directed Σ lr·m, random walk √Σ (lr·m)² (train.summed_lr)."
+        "How far Adam can carry an anchored arm's routing parameters at this size: directed Σ lr·m, random walk √Σ (lr·m)² (loop.summed_lr)."
         tc, m = self.train_config("a1"), self.routing_scale()
         return {"multiplier": m, "directed": m * summed_lr(tc), "random_walk": m * math.sqrt(summed_lr(tc, power=2))}
     def routing_scale(self) -> float:

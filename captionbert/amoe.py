@@ -25,7 +25,9 @@ from .pairs import FlickrImages, PairSet, assert_no_held_out_text, assert_train_
 from .sources import RELATIONS, SceneGrammar, Scene, SceneObject
 from .encoder import CaptionEncoder, EncoderConfig, n_params, set_residual_hook
 from .routers import sinh_route
-from .train import TrainConfig, _world, config_changes, plan_run, resolve_encoder_config, train, train_memory_estimate
+from .loop import TrainConfig, config_changes, train
+from .train import plan_run, resolve_encoder_config, train_memory_estimate
+from .teachers import dist_world as _world   # the one (rank, world size) helper
 
 # %% auto #0
 __all__ = ['SYNONYMS', 'HUB_PAIRS', 'PAIR_SOURCES', 'BACKBONE_SEED', 'Arm', 'backbone_fingerprint', 'ArmLibrary',
@@ -368,7 +370,7 @@ class PairLoss:
 
 def train_arm(backbone: CaptionEncoder, # frozen
               arm: Arm, # the arm to train (its adapters and key)
-              pairs: PairSet, tokenizer, cfg, run_dir, # cfg: a captionbert.train.TrainConfig
+              pairs: PairSet, tokenizer, cfg, run_dir, # cfg: a captionbert.loop.TrainConfig
               tau: float = 0.10, seed: int = 0, device=None, progress: bool = False,
               table: Optional[FlickrImages] = None): # the Flickr table for the train-only guard when `pairs` have sources; None: load it
     "Train one arm solo on a frozen backbone with the workbook's training loop; returns the TrainResult."

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from .core import RunDir, set_seed, to_jsonable
 from .data import TokenStore, collate
 from .stats import unit_index
-from .train import BatchPlan, TrainConfig, check_resume_config, latest_checkpoint, load_checkpoint, train
+from .loop import BatchPlan, TrainConfig, check_resume_config, latest_checkpoint, load_checkpoint, train
 
 # %% ../nbs/12_lm.ipynb #c4aabdf5
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +157,7 @@ def fit(model: nn.Module, # its parameters that require grad are trained
         extra_gauges=None, # (model, step) -> dict, logged beside the held-out perplexity
         eval_batch: int = 64 # rows per forward pass of the held-out perplexity
        ):
-    "Train `model` on the one loop (`train.train`), or read back the completed run of the same corpus and config."
+    "Train `model` on the one loop (`loop.train`), or read back the completed run of the same corpus and config."
     run = RunDir(run_dir)
     last = latest_checkpoint(run)
     if last is not None:

@@ -21,7 +21,8 @@ from .data import Batch, LengthBucketSampler, collate, load_tokenizer, padding_r
 from .sources import default_captions
 from .encoder import CaptionEncoder, EncoderConfig, EncoderOutput, n_params
 from .teachers import mean_pool
-from .train import ConsensusLoss, TrainConfig, TrainStep, fit_memory, train_memory_estimate
+from .loop import ConsensusLoss, TrainConfig, TrainStep
+from .train import fit_memory, train_memory_estimate
 
 # %% auto #0
 __all__ = ['PARAM_TOLERANCE', 'STEP', 'MATMUL_OPS', 'BF16_PEAK_TFLOPS', 'PROGRAM_V2', 'LENGTH_MIX', 'BertTwin', 'check_same_size',
@@ -31,8 +32,8 @@ __all__ = ['PARAM_TOLERANCE', 'STEP', 'MATMUL_OPS', 'BF16_PEAK_TFLOPS', 'PROGRAM
 
 # %% ../nbs/05a_perf.ipynb #adcdd9ae
 PARAM_TOLERANCE = 0.01  # the twin's parameter count may differ from the encoder's by at most this fraction of it
-STEP = ("train.TrainStep, the one loop's step: forward + ConsensusLoss + NaN guards + backward + clip_grad_norm_ + "
-        "Adam step (train.param_groups: lr_scales) + zero_grad + schedule step")   # one timed step
+STEP = ("loop.TrainStep, the one loop's step: forward + ConsensusLoss + NaN guards + backward + clip_grad_norm_ + "
+        "Adam step (loop.param_groups: lr_scales) + zero_grad + schedule step")   # one timed step
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear", "aten::mv", "aten::addmv")
 
 class BertTwin(nn.Module):
@@ -75,7 +76,7 @@ def step_loss(models: dict, # name -> model (each with .config.out_dim: CaptionE
               batches: Sequence, # the Batches timed (their row ids index the targets)
               tc: TrainConfig, # temperature and MSE weight of the recipe
               seed: int = 0) -> ConsensusLoss:
-    "The loss every timed step computes: the recipe's train.ConsensusLoss against a fixed random unit target for each row the batches name."
+    "The loss every timed step computes: the recipe's loop.ConsensusLoss against a fixed random unit target for each row the batches name."
     dims = {k: m.config.out_dim for k, m in models.items()}
     if len(set(dims.values())) != 1:
         raise ValueError(f"the timed models give vectors of different widths {dims}: one loss (one target a row) needs one out_dim; build them alike")
@@ -84,7 +85,7 @@ def step_loss(models: dict, # name -> model (each with .config.out_dim: CaptionE
     return ConsensusLoss(targets, tc.temperature, tc.mse_weight)
 
 def _step(model, step: TrainStep, loss_fn, b) -> tuple[float, int]:
-    "Seconds of one step of the one loop (the very call train.train makes), and the real tokens it consumed."
+    "Seconds of one step of the one loop (the very call loop.train makes), and the real tokens it consumed."
     if step.device.type == "cuda": torch.cuda.synchronize()
     t0 = time.perf_counter()
     step(model, loss_fn, b, b, step.sched.last_epoch)

@@ -21,7 +21,8 @@ from .data import TokenStore, bundled_minilm_path, load_tokenizer, token_store
 from .sources import open_captions
 from .encoder import EncoderConfig
 from .teachers import EmbeddingStore, TeacherSpec
-from .train import TrainConfig, assert_same_rows, run_consensus_training
+from .loop import TrainConfig
+from .train import assert_same_rows, run_consensus_training
 
 # %% auto #0
 __all__ = ['STAGES', 'rss_anon_kb', 'descendants', 'PeakRss', 'save_rehearsal_teacher', 'check_rows', 'run_stage', 'rehearse',

@@ -24,7 +24,7 @@ from .core import GuardError, PRECISIONS, emit_plan
 from .data import TokenStore, tokenizer_fingerprint
 from .sources import HUB_SPEC
 from .stats import N_BOOT, paired_verdict
-from .train import TrainConfig, summed_lr
+from .loop import TrainConfig, summed_lr
 from .causal_lm import LMShape, QWEN25_05B, QWEN25_15B, QWEN25_VOCAB, fit, logits_of
 
 # %% ../nbs/12_relay.ipynb #a514173f

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from .core import Presets
 from .encoder import ROUTERS, CaptionEncoder, EncoderConfig
 from .data import Batch
-from .train import TrainConfig, TrainStep
+from .loop import TrainConfig, TrainStep
 from .report import finding, results_record
 from .splat_block import SPLAT_TAU, SplatAttention, peak_live_bytes
 
@@ -287,7 +287,7 @@ def probe_differentiation(size: str | BatteryConfig = "smoke", seed: int = 0,
     base = codebooks(1, A, s["dim"], seed)
     g = torch.Generator().manual_seed(seed + 7)
     anchors = torch.nn.Parameter(base + birth_noise * torch.randn(books, A, s["dim"], generator=g))
-    # its own loop, not train.TrainStep: one raw codebook tensor, no encoder and no batches of rows, fit by plain Adam at lr .01 (the probe's protocol)
+    # its own loop, not loop.TrainStep: one raw codebook tensor, no encoder and no batches of rows, fit by plain Adam at lr .01 (the probe's protocol)
     opt = torch.optim.Adam([anchors], lr=0.01)
     k, v, _ = items(s["items"] // 2, s["dim"], s["value_dim"], s["noise"], seed)
     path, every = {}, max(1, s["steps"] // 8)
@@ -544,7 +544,7 @@ def trainability_recipe(steps: int # the screen's training steps (BatteryConfig.
     return TrainConfig(name="trainability", lr=3e-3, min_lr=3e-3, warmup_steps=0, grad_clip=math.inf, weight_decay=0.0, max_steps=steps)
 
 def _students(size, seed, kinds, seq, vocab) -> dict:
-    "One seed of the screen: each student's static readback at birth (splat blocks only) and its fit before and after training (train.TrainStep)."
+    "One seed of the screen: each student's static readback at birth (splat blocks only) and its fit before and after training (loop.TrainStep)."
     s = battery_size(size); steps = s["train_steps"]; recipe = trainability_recipe(steps)
     g = torch.Generator().manual_seed(seed)
     table = F.normalize(torch.randn(vocab, vocab, EncoderConfig.tiny().out_dim, generator=g), dim=-1)   # [V, V, O] a target per pair

@@ -22,7 +22,8 @@ from .core import Presets
 from .encoder import ATTENTION_KINDS, CaptionEncoder, EncoderConfig, NoPositions, attention_kind, register_attention
 from .data import collate, sorted_batches
 from .stats import band_verdict
-from .train import TrainConfig, run_consensus_training
+from .loop import TrainConfig
+from .train import run_consensus_training
 
 # %% auto #0
 __all__ = ['SPLAT_CURES', 'SPLAT_CELLS', 'SPLAT_TAU', 'SCREEN_ARMS', 'ATTENTION_BAND', 'splat_options', 'SplatAttention',

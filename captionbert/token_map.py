@@ -42,7 +42,7 @@ def fit_token_map(src: torch.Tensor, # [N, Ds] source-model vectors of the train
     W = nn.Linear(src.shape[1], lineup.shape[1])
     with torch.no_grad(): W.weight.normal_(0, src.shape[1] ** -0.5, generator=g); W.bias.zero_()
     W = W.to(device or "cpu"); tgt = tgt.to(device or "cpu")
-    # its own loop, not train.train: a seconds-long full-batch fit of one linear map on in-memory vectors (no corpus rows to batch, nothing to resume)
+    # its own loop, not loop.train: a seconds-long full-batch fit of one linear map on in-memory vectors (no corpus rows to batch, nothing to resume)
     opt = torch.optim.Adam(W.parameters(), lr=lr)
     x, L = F.normalize(src.float().to(device or "cpu"), dim=-1), F.normalize(lineup.float().to(device or "cpu"), dim=-1)
     for _ in range(steps):

@@ -12,7 +12,7 @@ from typing import Optional
 from .amoe import AmoeModel, PairLoss, PairPlan, backbone_fingerprint
 from .core import RunDir, set_seed
 from .pairs import FlickrImages, PairSet
-from .train import train
+from .loop import train
 
 # %% auto #0
 __all__ = ['realign_keys', 'transplant_report']

@@ -13,7 +13,7 @@ from captionbert.core import GuardError, RunDir, set_seed
 from captionbert.data import load_tokenizer
 from captionbert.encoder import CaptionEncoder, EncoderConfig
 from captionbert.sources import SceneGrammar
-from captionbert.train import BatchPlan, ConsensusLoss, TokenizedCorpus, TrainConfig, TrainStep, train
+from captionbert.loop import BatchPlan, ConsensusLoss, TokenizedCorpus, TrainConfig, TrainStep, train
 
 CFG = TrainConfig.smoke(max_steps=6, batch_size=16, warmup_steps=2, eval_every=1000, ckpt_every_steps=1000)
 

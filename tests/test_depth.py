@@ -183,7 +183,7 @@ def test_trained_range_is_measured_on_the_training_rows(tmp_path):
     assert (reach["trained"], reach["rows"]) == (30, 4)
     assert DepthConfig.cpu().trained is None and DepthConfig.published().trained is None     # measured, not declared
     import dataclasses, json
-    from captionbert.train import TrainConfig
+    from captionbert.loop import TrainConfig
     (tmp_path / "config.json").write_text(json.dumps({"train": dataclasses.asdict(TrainConfig.cpu()), "frame": "f", "seed": 0, "targets": str(tmp_path / "gone"),
                                                       "corpus": {"targets_fingerprint": "0123456789abcdef", "train_rows_sha256": "x"}}))
     with pytest.raises(GuardError, match="its targets 0123456789ab are in none of"): trained_range(tmp_path, targets=tmp_path / "gone")

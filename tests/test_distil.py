@@ -225,7 +225,8 @@ def test_papermill_command_line_values_reach_the_roster_and_the_student():
     a size name fails here; and a student equal to the preset's own dims is the preset's own (no run name of an empty student)."""
     from papermill.cli import _resolve_type                          # the value `-p` hands the notebook
     from captionbert.teachers import roster_text
-    from captionbert.train import TrainConfig, student_config
+    from captionbert.loop import TrainConfig
+    from captionbert.train import student_config
     given = _resolve_type('["minilm-L6", "paraphrase-L3", "glove-50d"]')
     assert isinstance(given, str)
     assert roster_text(given) == roster_text(["minilm-L6", "paraphrase-L3", "glove-50d"]) == "minilm-L6,paraphrase-L3,glove-50d"

@@ -9,7 +9,7 @@ from captionbert.core import RunDir, set_seed
 from captionbert.data import load_tokenizer
 from captionbert.sources import SceneGrammar
 from captionbert.encoder import CaptionEncoder, EncoderConfig
-from captionbert.train import BatchPlan, ConsensusLoss, TokenizedCorpus, TrainConfig, train
+from captionbert.loop import BatchPlan, ConsensusLoss, TokenizedCorpus, TrainConfig, train
 
 CFG = TrainConfig.smoke(max_steps=6, batch_size=16, warmup_steps=2, eval_every=1000, ckpt_every_steps=1000)
 

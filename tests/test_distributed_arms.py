@@ -9,7 +9,7 @@ from captionbert.amoe import Arm, PairLoss, grammar_pairs, train_arm
 from captionbert.core import set_seed
 from captionbert.data import collate, load_tokenizer
 from captionbert.encoder import CaptionEncoder, EncoderConfig
-from captionbert.train import TrainConfig
+from captionbert.loop import TrainConfig
 
 CFG = TrainConfig.smoke(name="arm", max_steps=6, batch_size=16, lr=1e-2, warmup_steps=2, eval_every=1000, ckpt_every_steps=1000)
 

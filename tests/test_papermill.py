@@ -64,7 +64,8 @@ def test_papermill_runs_to_the_end_without_sts(tmp_path, monkeypatch):
 def test_library_run_without_sts_then_a_changed_resume(tmp_path):
     "run_consensus_training records a skipped scoring instead of failing; a resume that changes the run is refused unless allowed."
     from captionbert.core import GuardError
-    from captionbert.train import RESUME_LOG, run_consensus_training
+    from captionbert.loop import RESUME_LOG
+    from captionbert.train import run_consensus_training
     empty = tmp_path / "no-sts"; empty.mkdir()
     run_dir = tmp_path / "run"
     first = run_consensus_training(seed=0, preset="smoke", run_dir=run_dir, targets="build", max_steps=4, progress=False,

@@ -28,7 +28,7 @@ def test_gate_budget_reaches_a_tenfold_change(size):
     assert cfg.gate_reach() >= need - 1e-9 and placement_reading(cfg.gate_reach(), need) == "testable"
     assert dict(cfg.train_config("distill").lr_scales).get("gate", 1.0) == cfg.gate_lr_scale()
     plain = RelayConfig.preset(size, gate_reach_ratio=None)
-    from captionbert.train import summed_lr
+    from captionbert.loop import summed_lr
     assert plain.train_config("distill").lr_scales == () and plain.gate_lr_scale() == 1.0                    # no reach asked: the recipe's own lr
     assert plain.gate_reach() == pytest.approx(summed_lr(plain.train_config("distill")))
     assert placement_reading(plain.gate_reach(), need).startswith("untested")      # every size's recipe alone falls short

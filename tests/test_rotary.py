@@ -167,7 +167,7 @@ def test_the_one_loop_refuses_a_binding_encoder_under_fp16_inside_any_wrapper(tm
     import torch.nn as nn
     from captionbert.core import RunDir
     from captionbert.encoder import CaptionEncoder, EncoderConfig
-    from captionbert.train import TrainConfig, train
+    from captionbert.loop import TrainConfig, train
     wrapped = nn.ModuleDict({"inner": CaptionEncoder(EncoderConfig.tiny(position="binding"))})
     with pytest.raises(ValueError, match="cannot train in fp16"):
         train(wrapped, lambda step: None, lambda *a: None, TrainConfig(precision="fp16", max_steps=1), RunDir(tmp_path / "r"), {"rows": "none"})

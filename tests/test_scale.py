@@ -180,7 +180,8 @@ def test_a_run_trains_on_exactly_the_rows_run_rows_decides(tmp_path, monkeypatch
     from captionbert.alignment import AlignmentConfig
     from captionbert.consensus import build_consensus
     from captionbert.sources import SceneGrammar
-    from captionbert.train import TrainConfig, run_consensus_training, run_rows
+    from captionbert.loop import TrainConfig
+    from captionbert.train import run_consensus_training, run_rows
     monkeypatch.setenv("CAPTIONBERT_CACHE", str(tmp_path / "cache"))
     cap = tmp_path / "captions.txt"
     cap.write_text("\n".join(SceneGrammar(n=400, seed=4)[i] for i in range(400)) + "\n")

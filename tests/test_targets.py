@@ -60,7 +60,8 @@ TRAIN = dict(eval_rows=64, batch_size=16, max_steps=2, warmup_steps=1, eval_ever
 def declared(cache, captions, tmp_path_factory):
     "A completed run whose own targets (`<run>/targets`, the tiny set) it declared: config.json names their build, frame and fingerprint."
     from captionbert.consensus import build_consensus
-    from captionbert.train import TrainConfig, run_consensus_training
+    from captionbert.loop import TrainConfig
+    from captionbert.train import run_consensus_training
     run = tmp_path_factory.mktemp("declared") / "run"
     build_consensus(_tiny(captions), run / "targets", device="cpu", progress=False)
     job = run_consensus_training(0, "smoke", run, str(run / "targets"), device="cpu", progress=False, train_config=TrainConfig.smoke(**TRAIN))
@@ -75,7 +76,8 @@ def test_a_declared_run_refuses_another_roster_before_anything_is_built(declared
     below stops it there) and would have refused on the frame only afterwards: this test failed on the spy and the hash."""
     from captionbert import consensus as C
     from captionbert.core import GuardError
-    from captionbert.train import TrainConfig, run_consensus_training
+    from captionbert.loop import TrainConfig
+    from captionbert.train import run_consensus_training
     before, metrics, calls = _tree(declared / "targets"), (declared / "metrics.jsonl").read_bytes(), []
     _spy(monkeypatch, C, "embed_cached", calls); _spy(monkeypatch, C, "_build_consensus", calls)
     with pytest.raises(GuardError, match=r"holds a run of other targets than this call asks for: train\.roster: None -> 'offline-mixed'\. "
@@ -91,7 +93,8 @@ def test_a_completed_run_never_rebuilds_the_targets_it_trained_on(declared, monk
     with the smoke preset's key, which differs from the key the folder was built with, so it unlinked targets.json and
     rebuilt the folder the run points to (stopped here by the spy: the test failed on it and on the hash)."""
     from captionbert import consensus as C
-    from captionbert.train import NothingToTrain, TrainConfig, run_consensus_training
+    from captionbert.loop import NothingToTrain, TrainConfig
+    from captionbert.train import run_consensus_training
     before, calls = _tree(declared / "targets"), []
     _spy(monkeypatch, C, "embed_cached", calls); _spy(monkeypatch, C, "_build_consensus", calls)
     with pytest.raises(NothingToTrain, match="nothing left to train"):
@@ -165,7 +168,8 @@ def test_a_trunks_targets_are_found_as_a_build_beside_it(cache, captions, tmp_pa
     from captionbert.core import sha256_bytes
     from captionbert.data import load_tokenizer, token_store
     from captionbert.depth import trained_range
-    from captionbert.train import TrainConfig, caption_source, run_rows
+    from captionbert.loop import TrainConfig
+    from captionbert.train import caption_source, run_rows
     tc = TrainConfig.smoke(**TRAIN)
     tg = build_consensus(_tiny(captions), tmp_path / f"consensus-{tc.alignment_config().label}", device="cpu", progress=False)
     (tmp_path / f"consensus-{tc.alignment_config().label}").unlink()            # the build alone beside the trunk
@@ -185,7 +189,8 @@ def test_hub_targets_in_another_layout_are_refused_with_what_they_hold(tmp_path,
     import huggingface_hub
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from captionbert.train import TrainConfig, resolve_targets
+    from captionbert.loop import TrainConfig
+    from captionbert.train import resolve_targets
     pq.write_table(pa.table({"text": ["a dog"], "target_vec": [[0.5, 0.5]]}), tmp_path / "train-00000.parquet")
     asked = []
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, repo_type=None: asked.append((repo, repo_type)) or str(tmp_path))
