@@ -25,7 +25,8 @@ from .core import GuardError, Presets, RunDir, sha256_bytes
 from .data import Batch, bundled_minilm_path, collate, load_tokenizer, runs_dir, sorted_batches, token_store, tokenizer_fingerprint
 from .stats import paired_interval
 from .teachers import mean_pool
-from .train import TrainConfig, caption_source, run_rows, train
+from .loop import TrainConfig, train
+from .train import caption_source, run_rows
 
 # %% auto #0
 __all__ = ['depth_gate', 'LongInputs', 'TokenDistill', 'DepthConfig', 'study_seeds', 'position_reach', 'trained_range',
@@ -235,7 +236,7 @@ def declare_gate(run, # a core.RunDir: the gate is written there before any arm 
                  ratio: float, trained_source: str, # where the trained range came from (measured, declared)
                  **extra) -> dict:
     "Write the preregistered gate of one trunk (its rule, reference read, depths) to the run folder, before any arm is built; returns it."
-    gate = {"ratio": ratio, "rule": "(binding - chance) / (band - chance) >= ratio at every depth from the band's first (earlier depths are read, not gated)", "chance": CHANCE, "through": plan.depths[-1],
+    gate = {"ratio": ratio, "rule": "each direction d (object->attribute, attribute->object): (read_d - chance) / (band_d - chance) >= ratio, at every depth from the band's first (earlier depths are read, not gated)", "chance": CHANCE, "through": plan.depths[-1],
             "depths": plan.depths, "band": plan.band, "seams": plan.seams, "capacity": plan.capacity, "limited_by": plan.limited_by,
             "trained": plan.trained, "trained_source": trained_source, "binding_bar": BINDING_BAR, "reference_read": reference,
             "void": not binding_holds(reference), "declared": time.strftime("%Y-%m-%dT%H:%M:%S"), "declared_before": "any arm was built or trained", **extra}

@@ -225,8 +225,16 @@ def render_section(records: Sequence[dict]) -> str:
             for r in group[1:]: names += [f["name"] for f in r["findings"] if f["name"] not in names]
             by = [{f["name"]: f for f in r["findings"]} for r in group]
             label = lambda n: next(b[n]["label"] for b in by if n in b)
-            rows = [[label(n), *(fmt_value(b[n]["value"], b[n]["fmt"]) if n in b else "—" for b in by)] for n in names]
+            notes = []                                                      # a note travels with its number: a marker here, the note below
+            def cell(b, n):
+                if n not in b: return "—"
+                text, note = fmt_value(b[n]["value"], b[n]["fmt"]), b[n].get("note")
+                if not note: return text
+                if note not in notes: notes.append(note)
+                return f"{text} ({notes.index(note) + 1})"
+            rows = [[label(n), *(cell(b, n) for b in by)] for n in names]
             out += [f"## preset `{preset}` across seeds", "", *_md_table(["finding", *(f"seed {r['seed']}" for r in group)], rows), ""]
+            if notes: out += [*(f"({i}) {note}  " for i, note in enumerate(notes, 1)), ""]
             vs = sorted({v["claim"] for r in group for v in r["verdicts"]}, key=lambda c: [v["claim"] for r in group for v in r["verdicts"]].index(c))
             if vs:
                 rows = [[c, *(next((v["verdict"] for v in r["verdicts"] if v["claim"] == c), "—") for r in group)] for c in vs]
