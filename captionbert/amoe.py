@@ -27,7 +27,7 @@ from .encoder import CaptionEncoder, EncoderConfig, n_params, set_residual_hook
 from .routers import sinh_route
 from .loop import TrainConfig, config_changes, train
 from .train import plan_run, resolve_encoder_config, train_memory_estimate
-from .teachers import dist_world as _world   # the one (rank, world size) helper
+from .core import dist_world as _world   # the one (rank, world size) helper
 
 # %% auto #0
 __all__ = ['SYNONYMS', 'HUB_PAIRS', 'PAIR_SOURCES', 'BACKBONE_SEED', 'Arm', 'backbone_fingerprint', 'ArmLibrary',

@@ -23,7 +23,8 @@ from .core import (GuardError, atomic_path, atomic_write_json, current_umask, fo
                               sha256_bytes, sha256_file, stage_hash, stale_temporaries, to_jsonable)
 from .data import CAPTIONS_VAR, TokenStore, load_tokenizer, stratified_sample, token_store, tokenize
 from .gauges import effective_rank
-from .teachers import EmbeddingStore, TeacherGroup, check_teachers, embed_cache_key, embed_cached, reference_member, roster
+from .teachers import TeacherGroup, check_teachers, reference_member, roster
+from .embed import EmbeddingStore, embed_cache_key, embed_cached
 from .targets import (ConsensusTargets, DamagedTargets, _read_manifest, _targets_fingerprint, build_of, builds_of, consensus_id,
                                  load_targets)
 from .teachers import roster as teacher_roster   # the name the functions below use: a Run section's `roster` is a parameter
@@ -184,7 +185,7 @@ def consensus_key(cfg: AlignmentConfig, # the preset
            else f"store:{embeddings_fingerprint(store)}")
     return {"config": to_jsonable(cfg), "source_fingerprint": source.fingerprint, "embeddings": emb, "stage_version": stage_version()}
 
-def check_store(store: EmbeddingStore, # a merged store (e.g. written by `torchrun -m captionbert.teachers embed`)
+def check_store(store: EmbeddingStore, # a merged store (e.g. written by `torchrun -m captionbert.embed embed`)
                 source, # the caption source the targets are built for
                 specs # the roster the targets are built on (TeacherSpec)
                ) -> EmbeddingStore:
@@ -192,7 +193,7 @@ def check_store(store: EmbeddingStore, # a merged store (e.g. written by `torchr
     where = f"the embedding store {store.folder}"
     if not store.complete:
         raise GuardError(f"{where} is not merged and verified (manifest says complete={store.manifest.get('complete')}): "
-                         f"run `python -m captionbert.teachers merge --out {store.folder}` (or rerun the embed command; it resumes)")
+                         f"run `python -m captionbert.embed merge --out {store.folder}` (or rerun the embed command; it resumes)")
     m = store.manifest
     if m["source_fingerprint"] != source.fingerprint:
         raise GuardError(f"{where} was embedded from captions {m['source']!r} (fingerprint {m['source_fingerprint'][:12]}), but the targets "
@@ -291,7 +292,7 @@ def _point(alias: Path, # where build_consensus was asked to put targets
 def build_consensus(cfg: AlignmentConfig, # the preset (see AlignmentConfig)
                     folder: str | Path, # where the targets go: an alias of the build (a link to `<folder>-<frame12>-<id12>` beside it)
                     device=None, progress: bool = True,
-                    embeddings: str | Path | None = None, # the folder of a merged store (`torchrun -m captionbert.teachers embed`); None: embed here
+                    embeddings: str | Path | None = None, # the folder of a merged store (`torchrun -m captionbert.embed embed`); None: embed here
                     specs=None # with `embeddings`: the roster the store must hold (TeacherSpec); None: cfg.roster's
                    ) -> ConsensusTargets:
     "Captions -> teacher embeddings (here, or a merged store checked against these captions and roster) -> alignment maps -> consensus targets, built beside `folder` under a name of their frame and consensus_key, then `folder` pointed at them; a build of the same key is reused."

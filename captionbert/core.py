@@ -18,9 +18,9 @@ from . import __version__
 
 # %% auto #0
 __all__ = ['PRECISIONS', 'FAULT_VAR', 'FAULT_KINDS', 'SIZES', 'PLAN_KEYS', 'repo_root', 'interactive_session', 'GuardError',
-           'set_seed', 'pick_device', 'pick_precision', 'autocast', 'fault_point', 'sha256_file', 'sha256_bytes',
-           'current_umask', 'atomic_path', 'temporary_writer', 'atomic_write_bytes', 'check_writable', 'to_jsonable',
-           'atomic_write_json', 'read_safetensors', 'read_lines', 'folder_lock', 'pid_alive', 'RunLock',
+           'set_seed', 'pick_device', 'pick_precision', 'autocast', 'dist_world', 'fault_point', 'sha256_file',
+           'sha256_bytes', 'current_umask', 'atomic_path', 'temporary_writer', 'atomic_write_bytes', 'check_writable',
+           'to_jsonable', 'atomic_write_json', 'read_safetensors', 'read_lines', 'folder_lock', 'pid_alive', 'RunLock',
            'keep_run_locks', 'code_version', 'stage_hash', 'resolve_preset', 'Presets', 'member_of', 'emit_plan',
            'stale_temporaries', 'remove_temporaries', 'RunDir']
 
@@ -90,6 +90,12 @@ def autocast(device: torch.device | str, # the run's device
     device = torch.device(device)
     if precision == "fp32": return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=PRECISIONS[precision])
+
+def dist_world() -> tuple[int, int]:
+    "(rank, world size) of this process's torch.distributed group; (0, 1) outside one."
+    import torch.distributed as dist   # deferred: only a process in a group has one
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+
 
 # %% ../nbs/00_core.ipynb #3aa21f45
 FAULT_VAR = "CAPTIONBERT_FAULT"            # test-only: "<kind>:<name>" makes the process SIGKILL itself at that fault point

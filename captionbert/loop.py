@@ -165,7 +165,7 @@ def _set_rng_state(s: dict):
     random.setstate(s["python"]); np.random.set_state(s["numpy"]); torch.set_rng_state(s["torch"])
     if "cuda" in s and torch.cuda.is_available(): torch.cuda.set_rng_state_all(s["cuda"])
 
-from .teachers import dist_world as _world   # the one (rank, world size) helper: teachers.dist_world
+from .core import dist_world as _world   # the one (rank, world size) helper: core.dist_world
 
 def _unwrap(model): return model.module if hasattr(model, "module") else model
 

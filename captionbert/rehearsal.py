@@ -20,7 +20,8 @@ from .core import GuardError, atomic_write_json
 from .data import TokenStore, bundled_minilm_path, load_tokenizer, token_store
 from .sources import open_captions
 from .encoder import EncoderConfig
-from .teachers import EmbeddingStore, TeacherSpec
+from .teachers import TeacherSpec
+from .embed import EmbeddingStore
 from .loop import TrainConfig
 from .train import assert_same_rows, run_consensus_training
 
@@ -152,7 +153,7 @@ def rehearse(rows: int, # synthetic captions
             "--processes", str(processes), "--fit-rows", str(fit_rows), "--seed", str(seed)]
     commands = {s: [sys.executable, "-m", "captionbert.rehearsal", *args, "--stage", s] for s in STAGES}
     commands["embed"] = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}", "-m",
-                         "captionbert.teachers", "embed", "--source", _spec(rows), "--specs", str(out / "specs.json"),
+                         "captionbert.embed", "embed", "--source", _spec(rows), "--specs", str(out / "specs.json"),
                          "--out", str(out / "embeddings"), "--shard-size", str(shard_size), "--batch-size", "256", "--device", "cpu",
                          "--no-progress"]
     report = {}

@@ -17,7 +17,8 @@ from .alignment import AlignmentScore, RowEmbeddings, check_queries, evaluate_al
 from .consensus import consensus
 from .data import load_tokenizer, tokenize
 from .gauges import effective_rank
-from .teachers import embed_cached, reference_member
+from .teachers import reference_member
+from .embed import embed_cached
 
 # %% auto #0
 __all__ = ['CARRY_X', 'pairwise_alignment', 'consensus_rank', 'roster_report', 'roster_table', 'roster_figure', 'carry_verdict',

@@ -15,7 +15,8 @@ import torch
 
 from .alignment import AlignmentMap
 from .core import GuardError, sha256_bytes, sha256_file, to_jsonable
-from .teachers import TeacherSpec, check_teachers, safetensors_memmap
+from .teachers import TeacherSpec, check_teachers
+from .embed import safetensors_memmap
 
 # %% auto #0
 __all__ = ['TARGET_CANDIDATES', 'ROW_CANDIDATES', 'build_of', 'DamagedTargets', 'TargetRows', 'ConsensusTargets', 'load_targets',

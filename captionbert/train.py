@@ -29,8 +29,8 @@ from .encoder import CaptionEncoder, EncoderConfig, n_params
 from .hf import export_pretrained, verify_export, write_model_card
 from .loop import (BatchPlan, ConsensusGauges, ConsensusLoss, NothingToTrain, TrainConfig, TrainResult, _unwrap, train)
 from .rosters import carry_line, explore_roster
-from .teachers import (ROSTERS, dist_world as _world, load_teachers, probe_teachers, roster as teacher_roster, roster_label,
-                                  roster_text, teacher_identities)
+from .teachers import ROSTERS, load_teachers, probe_teachers, roster as teacher_roster, roster_label, roster_text, teacher_identities
+from .core import dist_world as _world
 
 # %% auto #0
 __all__ = ['DECLARED_KEYS', 'own_inputs', 'explore_first', 'resolve_targets', 'check_roster', 'declared_changes', 'run_targets',
@@ -577,7 +577,7 @@ def plan_run(preset: str = "auto", # as for run_consensus_training
     if acfg.captions: spec = acfg.captions
     else:                                                          # the default captions: the file found here, else the grammar
         d = acfg.caption_source(verbose=False).describe(); spec = d.get("spec") or d["path"]
-    embed = (f"torchrun --nproc-per-node {world_size} -m captionbert.teachers embed" if world_size > 1 or published else "python -m captionbert.teachers embed"
+    embed = (f"torchrun --nproc-per-node {world_size} -m captionbert.embed embed" if world_size > 1 or published else "python -m captionbert.embed embed"
              ) + (f" --source {shlex.quote(spec)}" + (f" --limit {acfg.limit}" if acfg.limit else "") + f" --roster {shlex.quote(acfg.roster)} --out {embed_dir}"
                   f" --shard-size {acfg.shard_size} --batch-size {acfg.batch_size}")
     accept = f" --accept-rows {cfg.accept_rows}" if cfg.accept_rows is not None else ""

@@ -4,7 +4,8 @@ import pytest
 
 import captionbert.sources as sources
 from captionbert.sources import SceneGrammar, open_captions
-from captionbert.teachers import embed_cache_key, roster
+from captionbert.teachers import roster
+from captionbert.embed import embed_cache_key
 
 
 @pytest.fixture

@@ -12,7 +12,8 @@ import torch
 from _dist import spawn_gloo
 from captionbert.core import GuardError
 from captionbert.sources import SceneGrammar
-from captionbert.teachers import EmbeddingStore, embed_corpus, load_teachers, merge_shards, roster
+from captionbert.teachers import load_teachers, roster
+from captionbert.embed import EmbeddingStore, embed_corpus, merge_shards
 
 N, SHARD = 120, 16                     # 8 shards: rank 0 takes 00000, 00002, ..., rank 1 takes 00001, 00003, ...
 
@@ -57,7 +58,7 @@ def test_two_gloo_processes_write_the_store_one_process_writes(tmp_path):
 
 
 def _cli(folder, rows, shard):
-    return [sys.executable, "-m", "captionbert.teachers", "embed", "--source", f"synthetic:{rows}", "--out", str(folder),
+    return [sys.executable, "-m", "captionbert.embed", "embed", "--source", f"synthetic:{rows}", "--out", str(folder),
             "--shard-size", str(shard), "--batch-size", "16", "--device", "cpu", "--no-progress"]
 
 
@@ -98,7 +99,7 @@ def test_build_consensus_consumes_the_store_the_embed_command_writes(tmp_path, m
     cap = tmp_path / "captions.txt"
     cap.write_text("\n".join(SceneGrammar(n=300, seed=2)[i] for i in range(300)) + "\n")
     cfg = AlignmentConfig(name="tiny", captions=str(cap), fit_n_over_d=0.5, eval_rows=48, shard_size=64, batch_size=32)
-    cmd = [sys.executable, "-m", "captionbert.teachers", "embed", "--source", str(cap), "--out", str(tmp_path / "emb"),
+    cmd = [sys.executable, "-m", "captionbert.embed", "embed", "--source", str(cap), "--out", str(tmp_path / "emb"),
            "--roster", "offline", "--shard-size", "64", "--batch-size", "32", "--device", "cpu", "--no-progress"]
     out = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

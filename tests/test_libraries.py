@@ -15,7 +15,8 @@ from captionbert import stats as S
 from captionbert.alignment import RowEmbeddings, _teacher_moments, _whiten_colour, fit_alignment
 from captionbert.gauges import _centered_cov, effective_rank, rankdata, spearman
 from captionbert.retrieval import retrieval_metrics
-from captionbert.teachers import mean_pool, safetensors_memmap
+from captionbert.teachers import mean_pool
+from captionbert.embed import safetensors_memmap
 
 
 def _ulps(a: float, b: float) -> float:
@@ -159,7 +160,7 @@ def test_mean_pool_is_sentence_transformers_pooling():
 
 
 def test_safetensors_memmap_equals_the_library_without_a_copy(tmp_path):
-    """teachers.safetensors_memmap reads what safetensors' own numpy loader reads, bit for bit, for each dtype it takes,
+    """embed.safetensors_memmap reads what safetensors' own numpy loader reads, bit for bit, for each dtype it takes,
     but as a memory map (the loader copies the whole tensor into RAM: 196 MB for a 195 MB shard, docs/libraries.md).
     Catches a wrong data offset (8 + header + start), a wrong dtype table, and a copy where a map was meant."""
     from safetensors.numpy import load_file, save_file

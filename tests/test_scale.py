@@ -151,7 +151,7 @@ def test_dry_run_plans_v2_and_v2b_on_the_command_line():
     assert plans["v2"]["train_range"] == [0, 26_904_576] and plans["v2b"]["train_range"] == [0, 31_905_616]
     assert plans["v2"]["held_out_rows"] == plans["v2b"]["held_out_rows"] == 8192
     assert all(p["stages"][0].startswith("python -m captionbert.consensus tokens --preset published") for p in plans.values())   # rows checked first
-    assert all(p["stages"][1].startswith("torchrun ") and " -m captionbert.teachers embed " in p["stages"][1] for p in plans.values())
+    assert all(p["stages"][1].startswith("torchrun ") and " -m captionbert.embed embed " in p["stages"][1] for p in plans.values())
     assert plans["v2"]["batch_size"] == plans["v2b"]["batch_size"] == 2048
     assert plans["v2"]["maps"] == plans["v2b"]["maps"]
 
@@ -215,7 +215,7 @@ def _embedding_store(folder, n, d, shard, teacher="t"):
         shards[f"{k:05d}"] = {"rows": [lo, hi], "count": hi - lo, "sha256": {teacher: sha256_file(p)}}
     (folder / "manifest.json").write_text(json.dumps({"teachers": [{"name": teacher}], "dims": {teacher: d}, "rows": n,
                                                       "shards": shards, "complete": True}))
-    from captionbert.teachers import EmbeddingStore
+    from captionbert.embed import EmbeddingStore
     return EmbeddingStore(folder)
 
 

@@ -145,7 +145,8 @@ def test_a_killed_embedders_temporaries_are_removed_at_the_merge(tmp_path, cache
     next embedding pass under the store's lock; a live writer's stays. The code before it left them forever (the test
     failed on `dead` still existing)."""
     from captionbert.sources import SceneGrammar
-    from captionbert.teachers import embed_corpus, load_teachers, offline_teachers
+    from captionbert.teachers import load_teachers, offline_teachers
+    from captionbert.embed import embed_corpus
     groups, src = load_teachers(list(offline_teachers((6,), 6)), device="cpu"), [SceneGrammar(n=64, seed=5)[i] for i in range(64)]
     folder = tmp_path / "emb"
     embed_corpus(src, groups, folder, shard_size=32, progress=False)

@@ -13,8 +13,8 @@ from captionbert.targets import load_targets
 from captionbert.core import GuardError
 from captionbert.sources import open_captions
 from captionbert.rehearsal import save_rehearsal_teacher
-from captionbert.teachers import (EmbeddingStore, embed_cache_key, embed_corpus, load_teachers, teacher_identities,
-                                  teacher_identity)
+from captionbert.teachers import load_teachers, teacher_identities, teacher_identity
+from captionbert.embed import EmbeddingStore, embed_cache_key, embed_corpus
 from captionbert.train import teacher_cache_key
 
 
