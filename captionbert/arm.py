@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from .amoe import Arm, backbone_fingerprint, check_backbone
+from .adapters import Arm, backbone_fingerprint, check_backbone
 from .core import GuardError, atomic_path, read_safetensors
 from .data import bundled_minilm_path, collate, load_tokenizer
 from .encoder import CaptionEncoder, LearnedPositions, set_residual_hook
@@ -144,7 +144,7 @@ class DepthArm(nn.Module):
         self.distill_born = None if self.distill is None else "identity" if distill_init == "identity" and distill_width == hidden else "random"
         if self.distill_born == "identity":                                         # trunk and teacher agree where their positions do:
             with torch.no_grad(): self.distill.weight.copy_(torch.eye(hidden)); self.distill.bias.zero_()   # the loss starts on the depths to repair
-        self.backbone_fingerprint = backbone_fingerprint(backbone)                  # read by amoe.check_backbone (LAWS.md law 15)
+        self.backbone_fingerprint = backbone_fingerprint(backbone)                  # read by adapters.check_backbone (LAWS.md law 15)
     @property
     def n_trained_params(self) -> int: return 0 if self.adapters is None else self.adapters.n_adapter_params
     def hook(self, layer: int, x: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:

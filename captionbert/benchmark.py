@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .core import atomic_write_json, check_writable, code_version, sha256_bytes
-from .data import STS_DIR_VAR, bundled_minilm_path, find_data, repo_root
+from .core import atomic_write_json, check_writable, code_version, repo_root, sha256_bytes
+from .data import STS_DIR_VAR, bundled_minilm_path, find_data
 from .gauges import effective_rank, entropy_effective_rank, self_cosine, simplex_cv, spearman
 from .teachers import TeacherGroup, TeacherSpec, glove_teacher, paraphrase_teachers, require_source
 from .data import collate, load_tokenizer, sorted_batches

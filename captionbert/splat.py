@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from .core import Presets
-from .encoder import ROUTERS, CaptionEncoder, EncoderConfig
+from .encoder import CaptionEncoder, EncoderConfig
+from .routers import ROUTERS
 from .data import Batch
 from .loop import TrainConfig, TrainStep
 from .report import finding, results_record

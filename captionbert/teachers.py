@@ -13,7 +13,6 @@ from typing import Sequence
 
 import numpy as np
 import torch
-import torch.distributed
 
 from .core import GuardError, atomic_write_json, autocast, pick_device, pick_precision, sha256_bytes, sha256_file
 from .data import bundled_minilm_path, cache_dir, collate, load_tokenizer, sorted_batches

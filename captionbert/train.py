@@ -21,7 +21,7 @@ from .benchmark import StudentEncoder, TASK_NAMES, evaluate, evaluate_views, hub
 from .consensus import check_caption_rows
 from .corpus import check_corpus_rows, corpus_plan
 from .targets import find_targets, foreign_targets_error, load_targets
-from .core import (GuardError, RunDir, atomic_write_json, autocast, code_version, emit_plan, keep_run_locks, pick_device, pick_precision,
+from .core import (GuardError, RunDir, atomic_write_json, autocast, code_version, dist_world as _world, emit_plan, keep_run_locks, pick_device, pick_precision,
                               resolve_preset, set_seed, sha256_bytes, stage_hash, to_jsonable)
 from .data import CAPTIONS_VAR, TokenStore, cache_dir, collate, load_tokenizer, runs_dir, sorted_batches, stratified_sample, token_store
 from .sources import HubCaptions, reopen_captions
@@ -30,7 +30,6 @@ from .hf import export_pretrained, verify_export, write_model_card
 from .loop import (BatchPlan, ConsensusGauges, ConsensusLoss, NothingToTrain, TrainConfig, TrainResult, _unwrap, train)
 from .rosters import carry_line, explore_roster
 from .teachers import ROSTERS, load_teachers, probe_teachers, roster as teacher_roster, roster_label, roster_text, teacher_identities
-from .core import dist_world as _world
 
 # %% auto #0
 __all__ = ['DECLARED_KEYS', 'own_inputs', 'explore_first', 'resolve_targets', 'check_roster', 'declared_changes', 'run_targets',
@@ -450,7 +449,7 @@ def score_student(job: ConsensusRun, # a completed run
 
 def scoring_code() -> tuple:
     "The functions that turn a teacher view into harness scores: its loading, forward and pooling, the harness's embed and score path."
-    from captionbert import benchmark as B, gauges as G, teachers as T   # modules (their private functions are hashed); here, not at the top: `B` is a batch size in _train_held
+    from captionbert import benchmark as B, gauges as G, teachers as T   # modules (their private functions are hashed), deferred: the harness's scoring code is hashed only when a run is scored
     return (T.load_teachers, T.TeacherGroup.__init__, T.TeacherGroup.encode, T.mean_pool, T.load_source, T.convert_onnx_bert,
             T.onnx_bert_weights, T.GloveTokenizer, T.WordVectors, T.load_glove, collate, sorted_batches, autocast,
             B._prepare, B._embed, B._score, B.pair_spearman, B.evaluate_views, G.spearman, G.rankdata, G.effective_rank, G.entropy_effective_rank,
@@ -594,6 +593,7 @@ def plan_run(preset: str = "auto", # as for run_consensus_training
             "target_bytes": corpus_rows * (width * 4 + 8),                               # fp32 vectors and int64 row ids
             "gpu_memory_estimate": train_memory_estimate(enc, per_rank, cfg.max_tokens, precision),
             **({"memory_fit": fit} if fit else {}),              # how the step fits the card named (--gpu-memory-gb): its chunks, checkpointing, estimate
+            "run_dir": f"runs/{run_name(cfg, name, seed, encoder_config)}",   # where the training stage writes (checkpoints, export): what later sections read
             "stages": [f"python -m captionbert.consensus tokens --preset {acfg.name}" + roster_arg + captions_arg + accept,   # rows checked before any teacher runs
                        embed,                                      # the teacher pass: one process per GPU, a merged, verified store
                        f"papermill nbs/04_consensus.ipynb out/04_consensus.ipynb -p preset {acfg.name}" + roster_arg.replace("--roster", "-p roster")
@@ -601,7 +601,7 @@ def plan_run(preset: str = "auto", # as for run_consensus_training
                        + (f" -p accept_rows {cfg.accept_rows}" if accept else ""),
                        f"{launch} --preset {name} --seed {seed} --targets {targets_dir}" + roster_arg + captions_arg + student_arg
                        + (f" --max-steps {max_steps}" if max_steps else "") + accept + memory_arg,
-                       f"python -m captionbert.benchmark --model runs/{run_name(cfg, name, seed, encoder_config)}/export"]}
+                       f"python -m captionbert.benchmark --model runs/{run_name(cfg, name, seed, encoder_config)}/export"]}   # the run_dir's export
 
 # %% ../nbs/05_train.ipynb #8a73917d
 def accepting_config(preset: str, # as for run_consensus_training

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .amoe import AmoeModel, PairLoss, PairPlan, backbone_fingerprint
+from .adapters import AmoeModel, PairLoss, PairPlan, backbone_fingerprint
 from .core import RunDir, set_seed
 from .pairs import FlickrImages, PairSet
 from .loop import train

@@ -21,7 +21,7 @@ CHROMIUM_VAR = "CAPTIONBERT_CHROMIUM"   # a Chromium (or Chrome) executable; def
 ARMS = ["equivalence", "simplification", "paraphrase"]
 FIRST, SECOND = "a red cube beside a blue ball", "two small dogs play in the deep white snow near a wooden fence"
 SETUP = f"""import torch
-from captionbert.amoe import AmoeModel, Arm, ArmLibrary
+from captionbert.adapters import AmoeModel, Arm, ArmLibrary
 from captionbert.data import load_tokenizer
 from captionbert.encoder import CaptionEncoder, EncoderConfig
 from captionbert.inspector import RoutingInspector

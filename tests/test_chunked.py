@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from _dist import one_and_two_processes, spawn_gloo
-from captionbert.amoe import PairLoss, PairPlan, grammar_pairs
+from captionbert.adapters import PairLoss, PairPlan, grammar_pairs
 from captionbert.core import GuardError, RunDir, set_seed
 from captionbert.data import load_tokenizer
 from captionbert.encoder import CaptionEncoder, EncoderConfig

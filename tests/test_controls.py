@@ -11,7 +11,8 @@ from captionbert.core import GuardError
 # --- 06_amoe: the random arm of greedy_roster (LAWS.md law 13) ------------------------------------------------------------
 
 def _roster(gain, random_gain):
-    from captionbert.amoe import Arm, greedy_roster
+    from captionbert.amoe import greedy_roster
+    from captionbert.adapters import Arm
     score = lambda arms: 0.5 + sum(gain.get(a.name, random_gain) for a in arms)      # a closed case: every random arm adds random_gain
     return greedy_roster({n: Arm(n, 8, 1, 2) for n in gain}, score, lambda i: Arm(f"random-{i}", 8, 1, 2, random_init=True), log=lambda *_: None)
 

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import one_and_two_processes, spawn_gloo
-from captionbert.amoe import Arm, PairLoss, grammar_pairs, train_arm
+from captionbert.adapters import Arm, PairLoss, grammar_pairs, train_arm
 from captionbert.core import set_seed
 from captionbert.data import collate, load_tokenizer
 from captionbert.encoder import CaptionEncoder, EncoderConfig
