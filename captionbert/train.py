@@ -449,7 +449,7 @@ def score_student(job: ConsensusRun, # a completed run
 
 def scoring_code() -> tuple:
     "The functions that turn a teacher view into harness scores: its loading, forward and pooling, the harness's embed and score path."
-    from captionbert import benchmark as B, gauges as G, teachers as T   # modules (their private functions are hashed), deferred: the harness's scoring code is hashed only when a run is scored
+    from captionbert import benchmark as B, gauges as G, teachers as T   # modules, for their private functions (hashed); local, so the one-letter names stay out of the module's namespace
     return (T.load_teachers, T.TeacherGroup.__init__, T.TeacherGroup.encode, T.mean_pool, T.load_source, T.convert_onnx_bert,
             T.onnx_bert_weights, T.GloveTokenizer, T.WordVectors, T.load_glove, collate, sorted_batches, autocast,
             B._prepare, B._embed, B._score, B.pair_spearman, B.evaluate_views, G.spearman, G.rankdata, G.effective_rank, G.entropy_effective_rank,

@@ -27,11 +27,11 @@ def _captions(path: Path, n: int) -> Path:
 
 def _spy(monkeypatch, calls, *more):
     "Make every way into a teacher pass (and the (module, name) pairs of `more`) record its call and refuse to run."
-    from captionbert import consensus as C, rosters as R, teachers as T
+    from captionbert import consensus as C, embed as E, rosters as R
     def refuse(name):
         def f(*a, **k): calls.append(name); raise AssertionError(f"{name} was called")
         return f
-    for mod, name in ((C, "embed_cached"), (R, "embed_cached"), (T, "embed_cached"), (T, "embed_corpus"), *more):
+    for mod, name in ((C, "embed_cached"), (R, "embed_cached"), (E, "embed_cached"), (E, "embed_corpus"), (E, "load_teachers"), *more):
         monkeypatch.setattr(mod, name, refuse(f"{mod.__name__}.{name}"))
 
 

@@ -222,18 +222,18 @@ def _embedding_store(folder, n, d, shard, teacher="t"):
 def test_embedding_rows_are_read_from_memory_mapped_shards_not_whole_shards(tmp_path, monkeypatch):
     "EmbeddingStore.load(rows=...) (the alignment fit, the write-back probe, the geometry sample) holds the rows asked, never a whole shard."
     import tracemalloc
-    import captionbert.teachers as T
+    import captionbert.embed as E   # the store's module: EmbeddingStore.load opens shards through its safe_open
     from captionbert.core import GuardError
     n, d, shard = 60_000, 128, 16_384                               # 4 shards; one shard is 8 MB of vectors
     store = _embedding_store(tmp_path / "emb", n, d, shard)
     opened = []
     class _Recording:                                              # safe_open that records every tensor decoded whole
-        def __init__(self, path, fw): self.f = T_safe_open(path, fw)
+        def __init__(self, path, fw): self.f = E_safe_open(path, fw)
         def __enter__(self): self.f.__enter__(); return self
         def __exit__(self, *a): return self.f.__exit__(*a)
         def get_tensor(self, name): x = self.f.get_tensor(name); opened.append((name, tuple(x.shape))); return x
-    T_safe_open = T.safe_open
-    monkeypatch.setattr(T, "safe_open", _Recording)
+    E_safe_open = E.safe_open
+    monkeypatch.setattr(E, "safe_open", _Recording)
     rows = np.random.default_rng(0).choice(n, 2048, replace=False)  # across every shard, in random order
     tracemalloc.start()
     got = store.load("t", rows=rows)

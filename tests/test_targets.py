@@ -127,13 +127,14 @@ def test_a_caption_file_too_small_is_refused_before_any_teacher(tmp_path, monkey
     """Issue 24 case 9: a one-line caption file at the smoke preset is refused naming the file and the preset, before any
     teacher is loaded. The code before it embedded the line with every teacher and failed in split_rows with "asked for
     2048 rows but only 1 are available", naming no file (here the embedding spy was called: the test failed on it)."""
-    from captionbert import consensus as C, teachers as T
+    from captionbert import consensus as C, embed as E, teachers as T, train as TR
     from captionbert.core import GuardError
     from captionbert.train import run_consensus_training
     one = tmp_path / "one-caption.txt"; one.write_text("a brown dog runs along the beach\n")
     monkeypatch.setenv("CAPTIONBERT_CAPTIONS", str(one))
     calls = []
-    _spy(monkeypatch, C, "embed_cached", calls); _spy(monkeypatch, T, "load_teachers", calls)
+    _spy(monkeypatch, C, "embed_cached", calls)
+    for mod in (T, E, TR): _spy(monkeypatch, mod, "load_teachers", calls)     # each module that binds it (embed and train import it by name)
     with pytest.raises(GuardError, match=rf"the caption source '{re.escape(str(one))}' holds 1 row, too few for the alignment preset 'smoke': it holds out "
                                          r"2,048 rows .* no teacher has run"):
         run_consensus_training(0, "smoke", tmp_path / "run", "build", max_steps=2, device="cpu", progress=False)
