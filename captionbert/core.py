@@ -375,7 +375,8 @@ def code_version() -> str:
     try:
         sha = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
         if sha.returncode != 0: return __version__
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!results", ":!findings"],   # a Run's own outputs are not code:
+                               cwd=root, capture_output=True, text=True, timeout=5)                                   # seed 1 must not read seed 0's fresh results as a dirty tree
         return f"{__version__}+g{sha.stdout.strip()}" + (".dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return __version__
