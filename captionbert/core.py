@@ -371,11 +371,12 @@ def keep_run_locks():
 # %% ../nbs/00_core.ipynb #9c9715b8
 def code_version() -> str:
     "Package version plus git commit of the checkout it runs from, e.g. '0.1.0+g1a2b3c4' or '0.1.0+g1a2b3c4.dirty'."
-    root = Path(__file__).resolve().parent.parent if "__file__" in globals() else Path.cwd()
+    root = repo_root()                                    # the checkout this package runs from; installed from a wheel: none
+    if root is None: return __version__
     try:
         sha = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
         if sha.returncode != 0: return __version__
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!results", ":!findings"],   # a Run's own outputs are not code:
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":/", ":(top,exclude)results", ":(top,exclude)findings"],   # a Run's own outputs are not code:
                                cwd=root, capture_output=True, text=True, timeout=5)                                   # seed 1 must not read seed 0's fresh results as a dirty tree
         return f"{__version__}+g{sha.stdout.strip()}" + (".dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):

@@ -129,5 +129,5 @@ def test_nbdev_names_no_missing_notebook():
 def test_export_cells_leave_a_headless_run_alone():
     "Every notebook's nbdev-export call sits behind interactive_session(): papermill runs every cell, `#| eval: false` included."
     bad = [nb.name for nb in NOTEBOOKS for c in _cells(nb) if c["cell_type"] == "code"
-           for line in "".join(c["source"]).splitlines() if "nbdev_export()" in line and not line.startswith("if interactive_session():")]
+           for line in "".join(c["source"]).splitlines() if re.search(r"\b(nbdev_export|nb_export)\(", line) and not line.startswith("if interactive_session():")]
     assert not bad, f"an unguarded nbdev_export() in {bad}"
