@@ -26,7 +26,8 @@ from .encoder import CaptionEncoder, EncoderConfig, n_params
 from .gauges import effective_rank
 from .teachers import load_teachers, reference_member, roster
 from .loop import TrainConfig, summed_lr
-from .train import plan_run, run_consensus_training
+from .train import run_consensus_training
+from .recipe import plan_run
 
 # %% ../nbs/08_alephlm.ipynb #afa70166
 ARMS = {   # arm -> (what it is, its EncoderConfig flags); every arm reads out the CLS token

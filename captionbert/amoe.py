@@ -19,7 +19,7 @@ from .data import collate, runs_dir, sorted_batches
 from .pairs import FlickrImages, caption_pairs, flickr_unavailable, load_flickr_images
 from .encoder import CaptionEncoder, EncoderConfig, n_params
 from .loop import TrainConfig, config_changes
-from .train import plan_run, resolve_encoder_config, train_memory_estimate
+from .recipe import plan_run, resolve_encoder_config, train_memory_estimate
 from .adapters import AmoeModel, Arm, HUB_PAIRS, grammar_pairs, hub_pairs
 
 # %% auto #0

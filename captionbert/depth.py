@@ -26,7 +26,7 @@ from .data import Batch, bundled_minilm_path, collate, load_tokenizer, runs_dir,
 from .stats import paired_interval
 from .teachers import mean_pool
 from .loop import TrainConfig, train
-from .train import caption_source, run_rows
+from .recipe import caption_source, run_rows
 
 # %% auto #0
 __all__ = ['depth_gate', 'LongInputs', 'TokenDistill', 'DepthConfig', 'study_seeds', 'position_reach', 'trained_range',

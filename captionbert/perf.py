@@ -22,7 +22,7 @@ from .sources import default_captions
 from .encoder import CaptionEncoder, EncoderConfig, EncoderOutput, n_params
 from .teachers import mean_pool
 from .loop import ConsensusLoss, TrainConfig, TrainStep
-from .train import fit_memory, train_memory_estimate
+from .recipe import fit_memory, train_memory_estimate
 
 # %% auto #0
 __all__ = ['PARAM_TOLERANCE', 'STEP', 'MATMUL_OPS', 'BF16_PEAK_TFLOPS', 'PROGRAM_V2', 'LENGTH_MIX', 'BertTwin', 'check_same_size',

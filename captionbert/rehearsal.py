@@ -23,7 +23,8 @@ from .encoder import EncoderConfig
 from .teachers import TeacherSpec
 from .embed import EmbeddingStore
 from .loop import TrainConfig
-from .train import assert_same_rows, run_consensus_training
+from .train import run_consensus_training
+from .recipe import assert_same_rows
 
 # %% auto #0
 __all__ = ['STAGES', 'rss_anon_kb', 'descendants', 'PeakRss', 'save_rehearsal_teacher', 'check_rows', 'run_stage', 'rehearse',
@@ -95,7 +96,7 @@ def save_rehearsal_teacher(folder: str | Path, # where the model and tokenizer g
     return [TeacherSpec(f"tiny-L{l}", str(folder), "bert", layer=l, max_length=64, reference=(l == 2)) for l in (1, 2)]
 
 def check_rows(tokens: TokenStore, store: EmbeddingStore, targets) -> int:
-    "The corpus's row count, when the embeddings hold it and the token store and targets are the same rows (`train.assert_same_rows`); else GuardError."
+    "The corpus's row count, when the embeddings hold it and the token store and targets are the same rows (`recipe.assert_same_rows`); else GuardError."
     counts = {"tokens": len(tokens), "embeddings": store.n_rows, "targets": targets.n_rows}
     if len(set(counts.values())) != 1:
         raise GuardError(f"row counts differ: {counts}; the token store, the teacher embeddings and the targets must come from one "

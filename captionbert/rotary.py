@@ -30,7 +30,8 @@ from .gauges import effective_rank, self_cosine
 from .perf import caption_batches, pair_step_benchmark
 from .teachers import load_teachers, roster
 from .loop import TrainConfig, TrainResult, config_changes, latest_checkpoint, load_checkpoint
-from .train import ConsensusRun, assert_same_rows, caption_source, plan_run, resolve_targets, run_consensus_training, run_rows
+from .train import ConsensusRun, run_consensus_training
+from .recipe import assert_same_rows, caption_source, plan_run, resolve_targets, run_rows
 
 # %% ../nbs/11_rotary.ipynb #790b7bbe
 OPTIONS = {   # option -> (what it is, its EncoderConfig flags on top of the size's architecture)

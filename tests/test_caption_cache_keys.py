@@ -58,7 +58,7 @@ def _targets(src, record):
 def test_record_carries_the_commit_and_training_reopens_it(hub_heads):
     "The captions record names the commit resolved at build time; after the branch moves, training reads that commit, not the new head."
     from captionbert.core import GuardError
-    from captionbert.train import caption_source
+    from captionbert.recipe import caption_source
     heads, asked = hub_heads
     src = open_captions("hub:org/caps:text:validation", limit=50)
     rec = src.describe()

@@ -226,7 +226,7 @@ def test_papermill_command_line_values_reach_the_roster_and_the_student():
     from papermill.cli import _resolve_type                          # the value `-p` hands the notebook
     from captionbert.teachers import roster_text
     from captionbert.loop import TrainConfig
-    from captionbert.train import student_config
+    from captionbert.recipe import student_config
     given = _resolve_type('["minilm-L6", "paraphrase-L3", "glove-50d"]')
     assert isinstance(given, str)
     assert roster_text(given) == roster_text(["minilm-L6", "paraphrase-L3", "glove-50d"]) == "minilm-L6,paraphrase-L3,glove-50d"
@@ -243,7 +243,7 @@ def test_an_unset_captions_variable_is_refused_by_name_and_a_json_list_of_one_is
     naming the likely cause (the old code read '' as the current folder and failed with IsADirectoryError); and
     `-p teachers '["minilm-L6"]'` is read as the list it spells, refused as a roster of one (not as a teacher named '["minilm-L6"]')."""
     from captionbert.alignment import captions_spec
-    from captionbert.train import own_roster
+    from captionbert.recipe import own_roster
     for empty in ("", "  "):
         with pytest.raises(ValueError, match="an empty caption spec"):
             captions_spec(empty)

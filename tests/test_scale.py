@@ -157,11 +157,11 @@ def test_dry_run_plans_v2_and_v2b_on_the_command_line():
 
 
 def test_token_and_target_rows_that_differ_are_refused():
-    "train.assert_same_rows: a token store cut short, or one built from other captions, is refused before training."
+    "recipe.assert_same_rows: a token store cut short, or one built from other captions, is refused before training."
     import types
     import pytest
     from captionbert.core import GuardError
-    from captionbert.train import assert_same_rows
+    from captionbert.recipe import assert_same_rows
     def store(n, fp="abc"):
         lens = np.full(n, 3, dtype=np.int64)
         return TokenStore(np.ones(3 * n, dtype=np.int32), np.concatenate([[0], np.cumsum(lens)]), manifest={"source_fingerprint": fp})
@@ -181,7 +181,8 @@ def test_a_run_trains_on_exactly_the_rows_run_rows_decides(tmp_path, monkeypatch
     from captionbert.consensus import build_consensus
     from captionbert.sources import SceneGrammar
     from captionbert.loop import TrainConfig
-    from captionbert.train import run_consensus_training, run_rows
+    from captionbert.train import run_consensus_training
+    from captionbert.recipe import run_rows
     monkeypatch.setenv("CAPTIONBERT_CACHE", str(tmp_path / "cache"))
     cap = tmp_path / "captions.txt"
     cap.write_text("\n".join(SceneGrammar(n=400, seed=4)[i] for i in range(400)) + "\n")

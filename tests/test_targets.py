@@ -171,7 +171,7 @@ def test_a_trunks_targets_are_found_as_a_build_beside_it(cache, captions, tmp_pa
     from captionbert.data import load_tokenizer, token_store
     from captionbert.depth import trained_range
     from captionbert.loop import TrainConfig
-    from captionbert.train import caption_source, run_rows
+    from captionbert.recipe import caption_source, run_rows
     tc = TrainConfig.smoke(**TRAIN)
     tg = build_consensus(_tiny(captions), tmp_path / f"consensus-{tc.alignment_config().label}", device="cpu", progress=False)
     (tmp_path / f"consensus-{tc.alignment_config().label}").unlink()            # the build alone beside the trunk
@@ -192,7 +192,7 @@ def test_hub_targets_in_another_layout_are_refused_with_what_they_hold(tmp_path,
     import pyarrow as pa
     import pyarrow.parquet as pq
     from captionbert.loop import TrainConfig
-    from captionbert.train import resolve_targets
+    from captionbert.recipe import resolve_targets
     pq.write_table(pa.table({"text": ["a dog"], "target_vec": [[0.5, 0.5]]}), tmp_path / "train-00000.parquet")
     asked = []
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, repo_type=None: asked.append((repo, repo_type)) or str(tmp_path))
