@@ -15,7 +15,7 @@ import torch
 
 from .alignment import AlignmentScore, RowEmbeddings, check_queries, evaluate_alignment, fit_alignment, fit_roster, split_rows
 from .consensus import consensus
-from .data import load_tokenizer, tokenize
+from .data import load_tokenizer, token_store
 from .gauges import effective_rank
 from .teachers import reference_member
 from .embed import embed_cached
@@ -146,7 +146,7 @@ def explore_roster(specs, # the roster (teachers.TeacherSpec), one of them the r
     store = embed_cached(source, specs, batch_size=cfg.batch_size, shard_size=cfg.shard_size, device=device, progress=progress)
     emb = {t: RowEmbeddings.load(store, t) for t in store.teachers}
     ref, tok, texts = reference_member(specs).name, load_tokenizer(), list(source)
-    lengths = np.array([len(x) for x in tokenize(tok, texts)])
+    lengths = np.asarray(token_store(source, tok, progress=progress).lengths)   # the build's own token store (cached), not a second tokenizing pass
     fit_rows, eval_rows = split_rows(lengths, cfg, max(e.width for e in emb.values()))   # N/d against the widest member (AlignmentMap.n_over_d)
     check_queries(texts, emb[ref], eval_rows, tok)          # LAWS.md law 2: the held-out rows vary, before any R@1
     pairs = pairwise_alignment(emb, fit_rows, eval_rows, cfg.gallery, seed=cfg.seed)

@@ -34,11 +34,14 @@ class TeacherSpec:
     name: str                        # short name for files and tables
     source: str                      # hub id, local folder, an .onnx BERT graph (converted once), or a static family's folder
     family: str                      # bert, distilbert, roberta, albert, modernbert; or a static family: glove
-    layer: int | None = None         # hidden_states index to mean-pool (0 = embeddings); None = last layer
+    layer: int | None = None         # hidden_states index to pool (0 = embeddings); None = last layer
     max_length: int = 512            # truncation, in the teacher's own tokens
     reference: bool = False          # the reference member whose frame the others are aligned into
     revision: str | None = None      # a hub teacher's pinned commit (40 hex), sent to from_pretrained; None for a local folder or file
+    pooling: str = "mean"            # "mean": the mean over the real tokens; "cls": the first token's state (a model trained so, e.g. BGE)
     def __post_init__(self):
+        if self.pooling not in ("mean", "cls"):
+            raise ValueError(f"teacher {self.name}: pooling {self.pooling!r} is not one the teacher reader computes: 'mean' or 'cls'")
         if self.revision is not None and not re.fullmatch(r"[0-9a-f]{40}", self.revision):
             raise ValueError(f"teacher {self.name}: revision {self.revision!r} is not a 40-hex commit; a branch or tag moves, so a "
                              f"cache keyed on it would not name the weights. Pin the commit (huggingface_hub.HfApi().model_info("
@@ -280,7 +283,7 @@ def mean_pool(hidden: torch.Tensor, # [B, L, D] hidden states
     return (hidden * m).sum(1) / m.sum(1).clamp_min(1.0)        # [B, D]
 
 class TeacherGroup:
-    "One model's weights read as one or more mean-pooled teacher views in a single forward pass."
+    "One model's weights read as one or more pooled teacher views (a layer's mean, or its first token) in a single forward pass."
     def __init__(self, specs: Sequence[TeacherSpec], # views of the same source
                  device: str | torch.device | None = None, # None picks CUDA when present
                  precision: str | None = None # fp32 / bf16 / fp16; None picks per device
@@ -307,7 +310,7 @@ class TeacherGroup:
     def encode(self, texts: Sequence[str], # captions
                batch_size: int = 64 # rows per forward pass
               ) -> dict[str, torch.Tensor]:
-        "Mean-pooled float32 embeddings [N, D] of `texts`, one entry per view, in input order."
+        "Pooled float32 embeddings [N, D] of `texts` (each view's layer, mean-pooled or its first token), one entry per view, in input order."
         texts = list(texts)
         out = {s.name: torch.zeros(len(texts), d) for s, d in zip(self.specs, self.dims.values())}
         if not texts: return out
@@ -319,7 +322,8 @@ class TeacherGroup:
                 o = self.model(input_ids=b.input_ids, attention_mask=b.attention_mask, output_hidden_states=True)
             for s in self.specs:
                 h = o.hidden_states[s.layer] if s.layer is not None else o.last_hidden_state
-                out[s.name][torch.as_tensor(rows)] = mean_pool(h.float(), b.attention_mask).cpu()
+                pooled = mean_pool(h.float(), b.attention_mask) if s.pooling == "mean" else h[:, 0].float()   # cls: right padding keeps it at 0
+                out[s.name][torch.as_tensor(rows)] = pooled.cpu()
         return out
 
 def require_source(spec: TeacherSpec # a teacher, e.g. one read back from a targets manifest
@@ -429,7 +433,7 @@ def check_teachers(recorded: dict | None, # name -> identity recorded by a store
 
 # %% ../nbs/01a_teachers.ipynb #35d8ca50
 NAMED_TEACHER = re.compile(r"minilm-L[1-6]|paraphrase-L[0-3]|glove-50d|" + "|".join(re.escape(s.name) for s in HUB_TEACHERS))
-POOLING = re.compile(r"mean(?:-L(\d+))?")            # mean over the real tokens: of the last layer, or of hidden_states[k]
+POOLING = re.compile(r"(mean|cls)(?:-L(\d+))?")       # the mean over the real tokens, or the first token: of the last layer, or of hidden_states[k]
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(?:/[\w.-]+)?")
 ST_MODULES = {"sentence_transformers.models.Transformer", "sentence_transformers.models.Pooling", "sentence_transformers.models.Normalize"}
 
@@ -446,7 +450,7 @@ def parse_teacher(text: str # one teacher of a roster (the grammar above)
     "One teacher's parts — kind (named, hf, st), where (name, hub id or absolute folder), revision, layer — and its canonical `text`; ValueError naming it."
     t = str(text).strip()
     if not t or "," in t: raise ValueError(f"teacher {text!r}: a teacher's spec is one non-empty item with no ',' (a roster joins teachers with ',')")
-    if NAMED_TEACHER.fullmatch(t): return {"kind": "named", "where": t, "revision": None, "layer": None, "text": t}
+    if NAMED_TEACHER.fullmatch(t): return {"kind": "named", "where": t, "revision": None, "layer": None, "pooling": None, "text": t}
     kind, rest = (t[:2], t[3:]) if t[:3] in ("hf:", "st:") else (None, t)
     pooling = None
     if ":" in rest and "/" not in rest.rsplit(":", 1)[1]: rest, pooling = rest.rsplit(":", 1)
@@ -454,12 +458,13 @@ def parse_teacher(text: str # one teacher of a roster (the grammar above)
     if NAMED_TEACHER.fullmatch(where):
         raise ValueError(f"teacher {t!r}: {where} is a named teacher, read as it is named (its weights and pooling are fixed): write "
                          f"it alone, or name another view (minilm-L3, paraphrase-L0)")
-    layer = None
+    layer, how = None, "mean"
     if pooling is not None:
         if not (m := POOLING.fullmatch(pooling)):
             raise ValueError(f"teacher {t!r}: pooling {pooling!r} is not one the teacher reader computes: 'mean' (the last layer's mean over "
-                             "the real tokens) or 'mean-L<k>' (hidden_states[k]'s); CLS, max and last-token pooling are not read")
-        layer = int(m[1]) if m[1] is not None else None
+                             "the real tokens), 'cls' (its first token's state), or either of hidden_states[k] ('mean-L<k>', 'cls-L<k>'); "
+                             "max and last-token pooling are not read")
+        how, layer = m[1], int(m[2]) if m[2] is not None else None
     if rev is not None and not re.fullmatch(r"[0-9a-f]{40}", rev):
         raise ValueError(f"teacher {t!r}: revision {rev!r} is not a 40-hex commit; a branch or tag moves, so nothing could name the weights. "
                          f"Pin the commit (huggingface_hub.HfApi().model_info({where!r}).sha gives the current one)")
@@ -472,8 +477,8 @@ def parse_teacher(text: str # one teacher of a roster (the grammar above)
         raise ValueError(f"teacher {t!r}: {where!r} is neither a folder here nor a hub id ('<org>/<name>'), nor a named teacher "
                          f"({NAMED_TEACHER.pattern.replace('|', ', ')})")
     kind = kind or "hf"
-    canon = f"{kind}:{where}" + (f"@{rev}" if rev else "") + ":" + ("mean" if layer is None else f"mean-L{layer}")
-    return {"kind": kind, "where": where, "revision": rev, "layer": layer, "text": canon}
+    canon = f"{kind}:{where}" + (f"@{rev}" if rev else "") + ":" + how + ("" if layer is None else f"-L{layer}")
+    return {"kind": kind, "where": where, "revision": rev, "layer": layer, "pooling": how, "text": canon}
 
 def roster_text(teachers # a name of ROSTERS; or a roster of one's own: a list of teacher specs, or one string of them joined by ','
                ) -> str:
@@ -523,28 +528,29 @@ def st_layout(where: str, # an absolute folder or a hub id
               revision: str | None, # the hub commit (None for a folder)
               who: str # the teacher, for messages
              ) -> dict:
-    "A sentence-transformers model's transformer folder, pooling and max_seq_length, read from its modules.json; GuardError naming the teacher when its vectors are not a hidden layer's mean."
+    "A sentence-transformers model's transformer folder, pooling ('mean' or 'cls') and max_seq_length, read from its modules.json; GuardError naming the teacher when its vectors are not a hidden layer's mean or first token."
     mods = _read_json(where, revision, "modules.json", who)
     if mods is None: raise GuardError(f"the teacher {who} is named st: but {where} holds no modules.json: it is not a sentence-transformers model; name it hf:")
     kinds = [m.get("type") for m in mods]
     extra = [k for k in kinds if k not in ST_MODULES]
     if extra: raise GuardError(f"the teacher {who}: its sentence-transformers pipeline holds {extra}, which the teacher reader does not apply (it "
-                               "reads a hidden layer's mean): the vectors read would not be the model's. Name a model whose pipeline is a "
-                               "Transformer and a mean Pooling (a Normalize is left out), or its transformer alone as hf:<folder>")
+                               "reads a hidden layer's mean or first token): the vectors read would not be the model's. Name a model whose "
+                               "pipeline is a Transformer and a mean or CLS Pooling (a Normalize is left out), or its transformer alone as hf:<folder>")
     tr = next((m for m in mods if m.get("type", "").endswith(".Transformer")), None)
     pool = next((m for m in mods if m.get("type", "").endswith(".Pooling")), None)
     if tr is None or pool is None: raise GuardError(f"the teacher {who}: its modules.json lists {kinds}, without a Transformer and a Pooling")
     modes = _read_json(where, revision, f"{pool['path']}/config.json", who) or {}
     on = sorted(k.removeprefix("pooling_mode_") for k, v in modes.items() if k.startswith("pooling_mode") and v)
-    if on != ["mean_tokens"]:
-        raise GuardError(f"the teacher {who} was trained with {on or 'no'} pooling ({pool['path']}/config.json), but the teacher reader mean-pools: "
-                         "its sentence vectors would be read wrong. Name a model trained with mean pooling, or read a layer of this "
-                         "one as hf:<it>:mean-L<k> on purpose")
+    if on not in (["mean_tokens"], ["cls_token"]):
+        raise GuardError(f"the teacher {who} was trained with {on or 'no'} pooling ({pool['path']}/config.json), but the teacher reader reads a "
+                         "layer's mean or its first token: its sentence vectors would be read wrong. Name a model trained with mean or CLS "
+                         "pooling, or read a layer of this one as hf:<it>:mean-L<k> on purpose")
     if tr.get("path") and not os.path.isabs(where):
         raise GuardError(f"the teacher {who} keeps its transformer in the subfolder {tr['path']!r} of {where}: download the model and name "
                          "that folder (st:<folder>)")
     cfg = _read_json(where, revision, "sentence_bert_config.json", who) or {}
-    return {"source": os.path.join(where, tr["path"]) if tr.get("path") else where, "max_length": int(cfg.get("max_seq_length") or 512)}
+    return {"source": os.path.join(where, tr["path"]) if tr.get("path") else where, "max_length": int(cfg.get("max_seq_length") or 512),
+            "pooling": "mean" if on == ["mean_tokens"] else "cls"}
 
 def teacher_spec(text: str, # one teacher (parse_teacher's grammar)
                  reference: bool = False # whether it is the roster's reference
@@ -552,13 +558,21 @@ def teacher_spec(text: str, # one teacher (parse_teacher's grammar)
     "The TeacherSpec of one teacher of a roster of one's own (a named teacher's own spec; hf: and st: read with transformers' Auto classes, their family the config's model_type)."
     p = parse_teacher(text)
     if p["kind"] == "named": return dataclasses.replace(named_teacher(p["where"]), reference=reference)
-    name = re.sub(r"[^A-Za-z0-9._-]", "-", p["where"].rstrip("/").rsplit("/", 1)[-1]) + (f"-L{p['layer']}" if p["layer"] is not None else "")
+    name = (re.sub(r"[^A-Za-z0-9._-]", "-", p["where"].rstrip("/").rsplit("/", 1)[-1]) + ("-cls" if p["pooling"] == "cls" else "")
+            + (f"-L{p['layer']}" if p["layer"] is not None else ""))
     who, source, max_length = f"{name} ({p['text']})", p["where"], 512
     if not os.path.isabs(source): teacher_identity(TeacherSpec(name, source, "auto", revision=p["revision"]))   # an unpinned hub teacher: refused before the hub is asked
     if p["kind"] == "st":
         lay = st_layout(p["where"], p["revision"], who); source, max_length = lay["source"], lay["max_length"]
+        if lay["pooling"] != p["pooling"]:        # a sentence-transformers model is read as it was trained: its pooling is written out
+            raise GuardError(f"the teacher {who} was trained with {lay['pooling']} pooling, but this spec reads {p['pooling']}: write it "
+                             f"{p['text'].rsplit(':', 1)[0]}:{lay['pooling']}" + ("" if p["layer"] is None else f"-L{p['layer']}")
+                             + f" (its own), or read its transformer as hf:<its folder>:{p['pooling']} on purpose")
     family = (_read_json(source, p["revision"], "config.json", who) or {}).get("model_type") or "auto"   # as HUB_TEACHERS name theirs: views of one folder share it
-    return TeacherSpec(name, source, str(family), layer=p["layer"], max_length=max_length, reference=reference, revision=p["revision"])
+    if p["pooling"] == "cls" and family in STATIC_FAMILIES:
+        raise GuardError(f"the teacher {who} is a static family ({family}): its vectors have no first token to read; drop ':cls'")
+    return TeacherSpec(name, source, str(family), layer=p["layer"], max_length=max_length, reference=reference, revision=p["revision"],
+                       pooling=p["pooling"])
 
 def parse_roster(teachers # as for roster_text
                 ) -> tuple[TeacherSpec, ...]:
@@ -571,7 +585,8 @@ def parse_roster(teachers # as for roster_text
     return specs
 
 def _who(specs: Sequence[TeacherSpec]) -> str:
-    return ", ".join(f"{s.name} ({s.source}{'@' + s.revision[:12] if s.revision else ''}{'' if s.layer is None else f', layer {s.layer}'})" for s in specs)
+    return ", ".join(f"{s.name} ({s.source}{'@' + s.revision[:12] if s.revision else ''}{'' if s.layer is None else f', layer {s.layer}'}"
+                     f"{', cls' if s.pooling == 'cls' else ''})" for s in specs)
 
 def teacher_width(spec: TeacherSpec # a teacher
                  ) -> int:

@@ -210,7 +210,7 @@ def main(argv: Optional[Sequence[str]] = None):
     ap.add_argument("--roster", default=None, help="teacher roster (a name of teachers.ROSTERS); default: the preset's own")
     ap.add_argument("--teachers", nargs="+", default=None, metavar="TEACHER",
                     help="a roster of your own instead of --roster, the first the reference (space- or comma-separated): PyPI teachers "
-                         "minilm-L<1..6>, paraphrase-L<0..3>, glove-50d; hf:<id>@<40-hex commit>[:mean|:mean-L<k>]; st:<id>@<commit>; a folder")
+                         "minilm-L<1..6>, paraphrase-L<0..3>, glove-50d; hf:<id>@<40-hex commit>[:mean|:cls][-L<k>]; st:<id>@<commit>[:cls]; a folder")
     ap.add_argument("--captions", default=None, help="build the targets from these captions instead of the preset's: a text file, "
                     "jsonl:<path>:<column>[+<column>...], parquet:..., or hub:<dataset>@<commit>:<column>")
     ap.add_argument("--student", default=None, help="the student's size instead of the preset's: smoke, cpu or v2 (or tiny), or explicit "

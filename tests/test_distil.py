@@ -138,24 +138,30 @@ def test_a_teacher_that_fails_to_load_is_named(tmp_path, monkeypatch, cache, cor
 
 
 def test_a_teacher_with_the_wrong_pooling_is_named(tmp_path, monkeypatch, cache, corpus):
-    """A pooling the reader does not compute (':cls') is refused naming the teacher as the config is made; a
-    sentence-transformers model trained with CLS pooling is refused naming it and its pooling config, before a weight
-    loads. A reader that ignored the pooling would mean-pool both and distil vectors that are not the models'."""
+    """A pooling the reader does not compute (':max') is refused naming the teacher as the config is made; a
+    sentence-transformers model trained with CLS pooling but named without ':cls' is refused naming it and the spec to
+    write, and one trained with max pooling naming its pooling config, before a weight loads. A reader that ignored the
+    pooling would mean-pool them and distil vectors that are not the models'."""
     import shutil
     from captionbert.core import GuardError
     from captionbert.data import bundled_minilm_path
     from captionbert.train import run_consensus_training
     mini = bundled_minilm_path()
     calls = []; _spy(monkeypatch, calls)
-    with pytest.raises(ValueError, match=re.escape(f"teacher 'hf:{mini}:cls': pooling 'cls' is not one the teacher reader computes")):
-        run_consensus_training(0, "smoke", tmp_path / "run", "build", teachers=[str(mini), f"hf:{mini}:cls"], captions=str(corpus),
+    with pytest.raises(ValueError, match=re.escape(f"teacher 'hf:{mini}:max': pooling 'max' is not one the teacher reader computes")):
+        run_consensus_training(0, "smoke", tmp_path / "run", "build", teachers=[str(mini), f"hf:{mini}:max"], captions=str(corpus),
                                device="cpu", progress=False)
     cls = tmp_path / "cls-model"; (cls / "1_Pooling").mkdir(parents=True)
     for f in ("modules.json", "sentence_bert_config.json", "config.json"): shutil.copy(mini / f, cls / f)
     (cls / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False}))
     with pytest.raises(GuardError, match=re.escape("the teacher cls-model (st:") + ".*" +
-                       re.escape("was trained with ['cls_token'] pooling (1_Pooling/config.json), but the teacher reader mean-pools")):
+                       re.escape(f"was trained with cls pooling, but this spec reads mean: write it st:{cls}:cls (its own)")):
         run_consensus_training(0, "smoke", tmp_path / "run", "build", teachers=[str(mini), str(cls)], captions=str(corpus),
+                               device="cpu", progress=False)
+    (cls / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True, "pooling_mode_mean_tokens": False}))
+    with pytest.raises(GuardError, match=re.escape("the teacher cls-model-cls (st:") + ".*" +
+                       re.escape("was trained with ['max_tokens'] pooling (1_Pooling/config.json), but the teacher reader reads")):
+        run_consensus_training(0, "smoke", tmp_path / "run", "build", teachers=[str(mini), f"{cls}:cls"], captions=str(corpus),
                                device="cpu", progress=False)
     assert calls == [] and not (tmp_path / "run" / "metrics.jsonl").exists()
 

@@ -159,6 +159,23 @@ def test_mean_pool_is_sentence_transformers_pooling():
     assert torch.equal(mean_pool(h, mask)[3], torch.zeros(5))
 
 
+def test_cls_pooling_is_sentence_transformers_cls():
+    """A teacher read with ':cls' gives what sentence-transformers gives for the same transformer under a CLS Pooling
+    (how a BGE-style model is served), to float noise of the batching. Catches a reader that mean-pools every view, reads
+    the last real token, or reads another layer than the last."""
+    st = pytest.importorskip("sentence_transformers")
+    from captionbert.data import bundled_minilm_path
+    from captionbert.teachers import load_teachers, parse_roster
+    mini = str(bundled_minilm_path())
+    texts = ["a dog runs along the beach .", "two children in red play football on a wide green field", "a man", "a black and white cat sleeps"]
+    model = st.SentenceTransformer(modules=[st.models.Transformer(mini), st.models.Pooling(384, pooling_mode="cls")], device="cpu")
+    want = model.encode(texts, convert_to_tensor=True, normalize_embeddings=False, batch_size=3)
+    (group,) = load_teachers(parse_roster([f"hf:{mini}:cls", f"hf:{mini}:mean"]), device="cpu", precision="fp32")
+    got = group.encode(texts, batch_size=2)
+    assert (got["model-cls"] - want).abs().max() < 1e-5, (got["model-cls"] - want).abs().max()
+    assert (got["model"] - want).abs().max() > 0.1                       # the mean view is not the CLS vector
+
+
 def test_safetensors_memmap_equals_the_library_without_a_copy(tmp_path):
     """embed.safetensors_memmap reads what safetensors' own numpy loader reads, bit for bit, for each dtype it takes,
     but as a memory map (the loader copies the whole tensor into RAM: 196 MB for a 195 MB shard, docs/libraries.md).
