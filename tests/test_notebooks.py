@@ -14,7 +14,7 @@ from nbdev.test import test_nb as run_notebook
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted(p for p in (ROOT / "nbs").glob("*.ipynb") if not p.name.startswith("_"))
 # the section notebooks: each ends with a "## Run:" section whose first code cell is tagged `parameters`
-RUN_NOTEBOOKS = {"02b_doors", "02_benchmark", "02a_retrieval", "03_alignment", "04a_rosters", "08_alephlm", "04_consensus", "05_train", "06_amoe", "07_transplant", "09_depth", "10_splat", "11_rotary", "12_relay"}
+RUN_NOTEBOOKS = {"02b_doors", "02_benchmark", "02a_retrieval", "03_alignment", "04a_rosters", "08_alephlm", "04_consensus", "05_train", "06_amoe", "07_transplant", "09_depth", "10_splat", "11_rotary", "12_relay", "15_libraries"}
 
 
 def _cells(nb: Path) -> list:
