@@ -1,5 +1,6 @@
 """What the workbook writes by hand that a kept library also offers (docs/libraries.md): each piece that stays is pinned
-here against the library on a planted input, and the reason it stays is checked where it is a fact about the library."""
+here against the library on a planted input, and the reason it stays is checked where it is a fact about the library.
+nbs/15_libraries's Run measures every piece on real data (findings/15_libraries.md)."""
 import os
 import subprocess
 import sys
@@ -178,7 +179,7 @@ def test_cls_pooling_is_sentence_transformers_cls():
 
 def test_safetensors_memmap_equals_the_library_without_a_copy(tmp_path):
     """embed.safetensors_memmap reads what safetensors' own numpy loader reads, bit for bit, for each dtype it takes,
-    but as a memory map (the loader copies the whole tensor into RAM: 196 MB for a 195 MB shard, docs/libraries.md).
+    but as a memory map (the loader copies the whole tensor into RAM: findings/15_libraries.md, memmap.rss_*).
     Catches a wrong data offset (8 + header + start), a wrong dtype table, and a copy where a map was meant."""
     from safetensors.numpy import load_file, save_file
     rng = np.random.default_rng(0)
@@ -211,87 +212,3 @@ def test_datasets_cache_key_misses_a_code_change_that_stage_hash_sees(tmp_path):
         out.append(r.stdout.split())
     assert out[0][0] == out[1][0], out                                       # datasets: the same key for different code
     assert out[0][1] != out[1][1], out                                       # stage_hash: a new key
-
-
-# On the real data (--slow): the figures docs/libraries.md quotes, printed with `pytest --slow -s -k real`.
-
-@pytest.fixture(scope="module")
-def flickr_glove():
-    "Flickr8k test captions (the retrieval task's rows), their images, and GloVe-6B-50d's normalized vectors."
-    from captionbert.benchmark import teacher_encoder
-    from captionbert.data import find_data
-    from captionbert.pairs import FLICKR_IMAGES_VAR, load_flickr_images
-    from captionbert.retrieval import retrieval_rows
-    from captionbert.teachers import glove_teacher
-    path = find_data(FLICKR_IMAGES_VAR, "captions/flickr8k_images.tsv")
-    if path is None: pytest.skip(f"Flickr8k with images is not on this machine: set {FLICKR_IMAGES_VAR}")
-    texts, images = retrieval_rows(load_flickr_images(path), "test")
-    return texts, images, teacher_encoder(glove_teacher()).encode(texts).double()
-
-
-@pytest.mark.slow
-def test_real_sts_spearman_against_scipy(sts_dir):
-    """The harness's Spearman against scipy.stats.spearmanr on all nine STS tasks (GloVe-6B-50d's cosines, every gold
-    file heavily tied): the ranks are scipy's exactly, the correlation within one unit in the last place, and not
-    equal everywhere (np.corrcoef rounds another way), which is why the correlation step stays ours. Catches a tie rule
-    other than average ranks, and a harness whose pinned scores would move under scipy."""
-    import torch.nn.functional as F
-    from captionbert import benchmark as B
-    from captionbert.teachers import glove_teacher
-    enc = B.teacher_encoder(glove_teacher())
-    data, _, unique = B._prepare(list(B.STS_TASKS), sts_dir)
-    emb, _ = B._embed(enc.encode, enc.name, unique, 512, False)
-    index = {s: i for i, s in enumerate(unique)}
-    ulps = {}
-    for t, d in data.items():
-        a, b = emb[[index[s] for s in d.sentence1]], emb[[index[s] for s in d.sentence2]]
-        sims = (F.normalize(a, dim=-1) * F.normalize(b, dim=-1)).sum(-1).numpy()
-        ours, ref = B.pair_spearman(a, b, d.scores), sps.spearmanr(sims, d.scores).statistic
-        np.testing.assert_array_equal(rankdata(sims), sps.rankdata(sims))
-        ulps[t] = _ulps(ours, ref)
-        print(f"{t:9} pairs {len(d):5}  tied gold {len(d) - len(np.unique(d.scores)):5}  ours {ours!r:20}  scipy {ref!r:20}  ulps {ulps[t]:.0f}")
-    assert max(ulps.values()) <= 1, ulps
-    assert any(u > 0 for u in ulps.values()), "scipy now agrees bit for bit on every task: the harness could call spearmanr"
-
-
-@pytest.mark.slow
-def test_real_retrieval_against_pytrec_eval(flickr_glove):
-    """retrieval_metrics against pytrec_eval (mteb's backend) on all 5,000 Flickr8k test captions with GloVe vectors:
-    R@1 and R@5 the same, mAP lower by the queries where trec_eval's float32 scores tie and its document-id order puts
-    a relevant row first (ours ranks ties pessimistically, in float64). Catches a metric that drifted from trec's
-    definitions (success@k, AP over all relevant rows) by more than its tie rule."""
-    pytrec_eval = pytest.importorskip("pytrec_eval")
-    _, images, x = flickr_glove
-    ours = retrieval_metrics(x, images)
-    u = torch.nn.functional.normalize(x, dim=-1); n = len(images); ids = [f"d{i:05d}" for i in range(n)]
-    per = {"success_1": [], "success_5": [], "map": []}
-    for lo in range(0, n, 500):
-        s = (u[lo:lo + 500] @ u.T).numpy(); q = range(lo, min(n, lo + 500))
-        run = {ids[i]: {ids[j]: float(s[i - lo, j]) for j in range(n) if j != i} for i in q}
-        qrels = {ids[i]: {ids[j]: 1 for j in range(n) if j != i and images[j] == images[i]} for i in q}
-        for v in pytrec_eval.RelevanceEvaluator(qrels, {"success.1,5", "map"}).evaluate(run).values():
-            for k in per: per[k].append(v[k])
-    trec = {k: float(np.mean(v)) for k, v in per.items()}
-    print(f"GloVe, {n} queries: r@1 {ours['r@1']!r} vs {trec['success_1']!r}; r@5 {ours['r@5']!r} vs {trec['success_5']!r}; "
-          f"map {ours['map']!r} vs {trec['map']!r} ({ours['map'] - trec['map']:+.3g})")
-    assert ours["r@1"] == trec["success_1"] and ours["r@5"] == trec["success_5"]
-    assert -1e-4 < ours["map"] - trec["map"] <= 0
-
-
-@pytest.mark.slow
-def test_real_bootstrap_against_scipy(flickr_glove):
-    """The unit bootstrap against scipy.stats.bootstrap on real reads: GloVe's per-query R@1 and R@5 hits on the Flickr8k
-    test captions, the 1,000 images the units, paired: the same draws, intervals within 1e-12 (scipy's quantile level
-    is .025000000000000022). Catches draws or quantiles that differ on real, lumpy unit sizes."""
-    _, images, x = flickr_glove
-    u = torch.nn.functional.normalize(x, dim=-1); s = u @ u.T; s.fill_diagonal_(-torch.inf)
-    img = np.array(images); top = s.topk(5, dim=1).indices.numpy()
-    r1 = (img[top[:, 0]] == img).astype(float); r5 = (img[top] == img[:, None]).any(1).astype(float)
-    (a, na, b, nb), U = S.unit_totals(r1, np.ones_like(r1), r5, np.ones_like(r5), groups=images)
-    mean = lambda s, n, axis=-1: s.sum(axis) / n.sum(axis)
-    ref = sps.bootstrap((a, na, b, nb), lambda a, na, b, nb, axis=-1: mean(a, na, axis) - mean(b, nb, axis), paired=True,
-                        vectorized=True, method="percentile", n_resamples=2000, rng=0)
-    got = S.paired_interval(r1, r5, groups=images, n_boot=2000, seed=0)
-    print(f"R@1 - R@5 over {U} images: ours {got['ci95']} scipy {tuple(map(float, ref.confidence_interval))}")
-    assert got["ci95"] == tuple(np.quantile(ref.bootstrap_distribution, [0.025, 0.975]))
-    np.testing.assert_allclose(got["ci95"], ref.confidence_interval, rtol=0, atol=1e-12)
