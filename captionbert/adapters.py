@@ -334,8 +334,8 @@ class PairLoss:
     def __init__(self, temperature: float = 0.05): self.temperature = temperature
     def __call__(self, model, batch: Batch, # this process's shard of the global batch (whole pairs, interleaved)
                  global_batch: Batch):
-        self._check(batch)
-        return self.from_representations(self.represent(model, batch), batch, global_batch)
+        self._check(batch)                                                                 # refused before the forward pass
+        return self._loss(self.represent(model, batch), batch, global_batch)
     @staticmethod
     def _check(batch: Batch):
         rows = torch.as_tensor(batch.rows)
@@ -349,6 +349,8 @@ class PairLoss:
                              batch: Batch, global_batch: Batch):
         "The loss of a share from its representations: every pair of the global batch (all ranks) a negative."
         self._check(batch)
+        return self._loss(out, batch, global_batch)
+    def _loss(self, out, batch, global_batch):
         rows, g = torch.as_tensor(batch.rows), torch.as_tensor(global_batch.rows)
         a, b = out[0::2], out[1::2]                                                        # [b, O] each
         rank, world = _world()

@@ -29,10 +29,10 @@ from .teachers import roster_label, roster_text
 
 # %% auto #0
 __all__ = ['COMPILE_BACKENDS', 'TokenizedCorpus', 'RESUME_LOG', 'WHERE_KEYS', 'MEMORY_KEYS', 'TrainConfig', 'summed_lr', 'lr_at',
-           'BatchPlan', 'param_groups', 'TrainStep', 'save_weights', 'latest_checkpoint', 'load_checkpoint',
-           'resume_checkpoint', 'set_aside_newer', 'NothingToTrain', 'config_changes', 'config_defaults',
-           'check_resume_config', 'TrainResult', 'train', 'ConsensusLoss', 'frame_gap', 'frame_gap_floor',
-           'mimicry_line', 'ConsensusGauges']
+           'BatchPlan', 'unwrap_model', 'param_groups', 'TrainStep', 'save_weights', 'latest_checkpoint',
+           'load_checkpoint', 'resume_checkpoint', 'set_aside_newer', 'NothingToTrain', 'config_changes',
+           'config_defaults', 'check_resume_config', 'TrainResult', 'train', 'ConsensusLoss', 'frame_gap',
+           'frame_gap_floor', 'mimicry_line', 'ConsensusGauges']
 
 # %% ../nbs/05_loop.ipynb #c11b275e
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")   # torch.compile backends a training run may name (dynamo also lists test and minifier ones)
@@ -167,19 +167,21 @@ def _set_rng_state(s: dict):
 
 from .core import dist_world as _world   # the one (rank, world size) helper: core.dist_world
 
-def _unwrap(model): return model.module if hasattr(model, "module") else model
+def unwrap_model(model):
+    "The model a DistributedDataParallel wrapper holds (its .module), else the model itself."
+    return model.module if hasattr(model, "module") else model
 
 def param_groups(model: torch.nn.Module, # the model being trained
                  cfg: TrainConfig # its recipe: lr and lr_scales
                 ) -> list:
     "Adam's parameter groups: the recipe's lr for every trainable parameter, lr × m for those named by a suffix of cfg.lr_scales."
-    named = [(n, p) for n, p in _unwrap(model).named_parameters()]
+    named = [(n, p) for n, p in unwrap_model(model).named_parameters()]
     rest = {n: p for n, p in named if p.requires_grad}
     if not rest: raise ValueError("the model has no trainable parameters")
     scaled, claimed = [], {}
     for suffix, m in cfg.lr_scales:
         hit = [n for n, _ in named if n == suffix or n.endswith("." + suffix)]
-        if not hit: raise ValueError(f"lr_scales names {suffix!r}, which matches no parameter of {type(_unwrap(model)).__name__} "
+        if not hit: raise ValueError(f"lr_scales names {suffix!r}, which matches no parameter of {type(unwrap_model(model)).__name__} "
                                      f"(its names end e.g. {sorted({n.rsplit('.', 1)[-1] for n, _ in named})[:8]})")
         taken = sorted({claimed[n] for n in hit if n in claimed})
         if taken: raise ValueError(f"lr_scales: {suffix!r} names parameters an earlier entry {taken} already scales; give each parameter one multiplier")
@@ -289,7 +291,7 @@ class TrainStep:
 def save_weights(model, path, run: RunDir, kind: str, metadata: dict | None = None) -> Path:
     "Model weights as safetensors, written atomically and recorded in the run's manifest (tied weights written once per name)."
     state, seen = {}, set()
-    for k, v in _unwrap(model).state_dict().items():
+    for k, v in unwrap_model(model).state_dict().items():
         t = v.detach().cpu().contiguous()
         ptr = t.untyped_storage().data_ptr()
         state[k] = t.clone() if ptr in seen else t    # safetensors refuses shared memory: a tied copy (an LM's head) is stored as its own
@@ -453,7 +455,7 @@ def _train_held(model, batches, loss_fn, cfg, run, corpus, evaluate_fn, stop_at,
     "`train`'s body, run while this process holds the run directory."
     model.to(device)
     if cfg.compile:                  # in place (nn.Module.compile): the state dict's names, the checkpoints and the export are the eager model's
-        _unwrap(model).compile(backend=cfg.compile, dynamic=None)
+        unwrap_model(model).compile(backend=cfg.compile, dynamic=None)
     stepper = TrainStep(model, cfg, device, precision)         # the step (perf times this same object)
     opt, sched, scaler = stepper.opt, stepper.sched, stepper.scaler   # its state: restored on resume, saved in every checkpoint
     start, best = 0, None
@@ -471,7 +473,7 @@ def _train_held(model, batches, loss_fn, cfg, run, corpus, evaluate_fn, stop_at,
             final = run.path / "checkpoints" / "final.safetensors"
             if ck["completed"] and rank == 0 and not _intact(run, str(final.relative_to(run.path))):
                 set_aside_newer(run, ck_path)
-                _unwrap(model).load_state_dict(ck["model"])              # killed after its last checkpoint, before the final weights: write them
+                unwrap_model(model).load_state_dict(ck["model"])              # killed after its last checkpoint, before the final weights: write them
                 save_weights(model, final, run, "weights", {"step": ck["step"]})
                 print(f"{run.path}: the run was complete at {ck_path.name} but its final weights were missing or damaged: written from it")
                 return TrainResult(run, ck["step"], ck["step"], True, 0.0, ck.get("best"))
@@ -479,7 +481,7 @@ def _train_held(model, batches, loss_fn, cfg, run, corpus, evaluate_fn, stop_at,
                                  "range would reprint the old run's metrics as new (LAWS.md law 16); raise max_steps (with "
                                  "allow_changes={'max_steps'}) or start a new run directory.", run, ck["step"], bool(ck["completed"]))
         if rank == 0: set_aside_newer(run, ck_path)      # every check passed: only now are the newer snapshots an explicit resume skips set aside
-        _unwrap(model).load_state_dict(ck["model"]); opt.load_state_dict(ck["optimizer"]); sched.load_state_dict(ck["scheduler"])
+        unwrap_model(model).load_state_dict(ck["model"]); opt.load_state_dict(ck["optimizer"]); sched.load_state_dict(ck["scheduler"])
         sched.base_lrs = [g["lr"] for g in param_groups(model, cfg)]   # this call's lr (an allowed change takes effect), not the saved one
         for g, b in zip(opt.param_groups, sched.base_lrs): g["initial_lr"], g["lr"] = b, b * sched.lr_lambdas[0](sched.last_epoch)
         scaler.load_state_dict(ck["scaler"]); _set_rng_state(ck["rng"]); start, best = ck["step"], ck.get("best")
@@ -508,7 +510,7 @@ def _train_held(model, batches, loss_fn, cfg, run, corpus, evaluate_fn, stop_at,
 
     def checkpoint(step, completed):
         if rank != 0: return
-        state = {"model": _unwrap(model).state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+        state = {"model": unwrap_model(model).state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                  "scaler": scaler.state_dict(), "rng": _rng_state(), "step": step, "completed": completed,
                  "corpus": to_jsonable(corpus), "config": to_jsonable(cfg), "run_config": run_config, "best": best}
         p = run.subdir("checkpoints") / f"state-{step:08d}.pt"
@@ -521,7 +523,7 @@ def _train_held(model, batches, loss_fn, cfg, run, corpus, evaluate_fn, stop_at,
     def gauges(step):
         nonlocal best
         if evaluate_fn is None or rank != 0: return
-        m = evaluate_fn(_unwrap(model), step)
+        m = evaluate_fn(unwrap_model(model), step)
         run.log(step, **m)
         for k, v in m.items():
             if isinstance(v, (int, float)) and writer: writer.add_scalar(k, v, step)

@@ -21,7 +21,7 @@ from .core import (RunDir, atomic_write_json, autocast, code_version, dist_world
 from .data import TokenStore, cache_dir, collate, load_tokenizer, runs_dir, sorted_batches, token_store
 from .encoder import CaptionEncoder, EncoderConfig, n_params
 from .hf import export_pretrained, verify_export, write_model_card
-from .loop import BatchPlan, ConsensusGauges, ConsensusLoss, NothingToTrain, TrainConfig, TrainResult, _unwrap, train
+from .loop import BatchPlan, ConsensusGauges, ConsensusLoss, NothingToTrain, TrainConfig, TrainResult, unwrap_model, train
 from .recipe import (accepting_config, assert_same_rows, caption_source, memory_choice, own_roster, plan_run, resolve_encoder_config, resolve_train_config, run_name, run_rows, run_targets, student_config, texts_of, with_checkpointing)
 from .teachers import load_teachers, teacher_identities
 
@@ -133,7 +133,7 @@ def run_card(run: RunDir # a run directory
 
 def export_student(job: ConsensusRun) -> Path:
     "The run's final weights as a Hugging Face folder, `<run>/export`."
-    return export_run(job.run, _unwrap(job.model).config)
+    return export_run(job.run, unwrap_model(job.model).config)
 
 def export_current(run: RunDir) -> bool:
     "Whether `<run>/export` holds the run's final weights whole: its manifest (an export's last file) verifies, and model.safetensors equals final.safetensors."
@@ -149,7 +149,7 @@ def score_student(job: ConsensusRun, # a completed run
     "Export the run's student and score it on the harness (its scores into the model card too); without STS data, record the skip and why. Writes results/student.json."
     folder = export_student(job)
     name = f"student {job.preset} seed{job.seed}"
-    extra = {"preset": job.preset, "run": str(job.run.path), "params": n_params(_unwrap(job.model)), "export": str(folder)}
+    extra = {"preset": job.preset, "run": str(job.run.path), "params": n_params(unwrap_model(job.model)), "export": str(folder)}
     why = sts_unavailable(list(tasks), sts_dir)
     if why is None:
         res = evaluate(StudentEncoder.from_folder(folder, name=name, device=device), list(tasks), sts_dir=sts_dir, seed=job.seed, extra=extra)
