@@ -187,7 +187,7 @@ def train_arm_run(cfg: AlephConfig, # the study's size
     return job
 
 def study_plan(cfg: AlephConfig, seed: int = 0) -> dict:
-    "The dry-run plan of a study (core.PLAN_KEYS via 05_train's plan_run on the AlephLM recipe, each arm's parameters): no network, no GPU."
+    "The dry-run plan of a study (core.PLAN_KEYS via 05_recipe's plan_run on the AlephLM recipe, each arm's parameters): no network, no GPU."
     base = plan_run("published" if cfg.name == "published" else cfg.train_preset, seed,
                     train_config=cfg.train_config(), encoder_config=cfg.encoder_config("a1"))
     with torch.device("meta"):

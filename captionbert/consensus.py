@@ -23,7 +23,7 @@ from .core import (GuardError, atomic_path, atomic_write_json, current_umask, fo
                               sha256_bytes, sha256_file, stage_hash, stale_temporaries, to_jsonable)
 from .data import CAPTIONS_VAR, TokenStore, load_tokenizer, stratified_sample, token_store, tokenize
 from .gauges import effective_rank
-from .teachers import TeacherGroup, check_teachers, reference_member, roster
+from .teachers import TeacherGroup, TeacherSpec, check_teachers, reference_member, roster
 from .embed import EmbeddingStore, embed_cache_key, embed_cached
 from .targets import (ConsensusTargets, DamagedTargets, _read_manifest, _targets_fingerprint, build_of, builds_of, consensus_id,
                                  load_targets)
@@ -200,13 +200,14 @@ def check_store(store: EmbeddingStore, # a merged store (e.g. written by `torchr
                          f"are asked for {getattr(source, 'name', source)!r} (fingerprint {source.fingerprint[:12]}): embed these captions "
                          "(the plan's embed stage names the --source and --limit), or build for the captions the store holds")
     want = [dataclasses.asdict(s) for s in specs]
-    if [t["name"] for t in m["teachers"]] == [t["name"] for t in want]:   # the same roster by name: same weights first, then same settings
+    have = [dataclasses.asdict(TeacherSpec(**t)) for t in m["teachers"]]   # read through the spec: a field added since (pooling) takes its default
+    if [t["name"] for t in have] == [t["name"] for t in want]:   # the same roster by name: same weights first, then same settings
         check_teachers(m.get("weights"), specs, where, "Re-embed with the current teachers (the plan's embed stage), or restore the teachers "
                        "the store was embedded with")
-    if m["teachers"] != want:
-        raise GuardError(f"{where} holds the teachers {[t['name'] for t in m['teachers']]} but the targets are asked for "
-                         f"{[t['name'] for t in want]}" + ("" if [t['name'] for t in m['teachers']] != [t['name'] for t in want] else
-                         f" with other settings ({[t for t in m['teachers'] if t not in want][:2]} != {[t for t in want if t not in m['teachers']][:2]})")
+    if have != want:
+        raise GuardError(f"{where} holds the teachers {[t['name'] for t in have]} but the targets are asked for "
+                         f"{[t['name'] for t in want]}" + ("" if [t['name'] for t in have] != [t['name'] for t in want] else
+                         f" with other settings ({[t for t in have if t not in want][:2]} != {[t for t in want if t not in have][:2]})")
                          + ": embed with this roster (--roster), or build on the store's roster")
     if store.n_rows != len(source):
         raise GuardError(f"{where} holds {store.n_rows} rows but the captions {getattr(source, 'name', source)!r} have {len(source)}: "

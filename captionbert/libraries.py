@@ -9,7 +9,7 @@ safetensors'."""
 # %% ../nbs/15_libraries.ipynb #764b53da
 from __future__ import annotations
 
-import dataclasses, gc, tempfile, time
+import dataclasses, gc, importlib.util, tempfile, time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -22,7 +22,7 @@ from .alignment import RowEmbeddings, _teacher_moments, _whiten_colour, fit_alig
 from .benchmark import pair_spearman
 from .data import TokenStore, tokenize
 from .embed import safetensors_memmap
-from .gauges import _centered_cov, rankdata, spearman
+from .gauges import _centered_cov, spearman
 from .retrieval import retrieval_metrics
 from .teachers import mean_pool
 
@@ -38,7 +38,7 @@ def ulps(a: float, b: float) -> float:
 
 def spearman_vs_scipy(tasks: dict # task -> (a [N, D], b [N, D], gold [N]): each pair's two embeddings and its gold score
                      ) -> dict:
-    "Per task: the harness's Spearman (pair_spearman) against scipy.stats.spearmanr of the same cosines, the ranks against scipy's average ranks, and the Spearman of torch's cosine_similarity."
+    "Per task: the harness's Spearman (pair_spearman) against scipy.stats.spearmanr of the same cosines, and the Spearman of torch's cosine_similarity (the ranks are scipy's own: gauges.rankdata calls it)."
     import scipy.stats as sps      # deferred: scipy.stats costs ~1.5 s at import
     out = {}
     for t, (a, b, gold) in tasks.items():
@@ -46,7 +46,6 @@ def spearman_vs_scipy(tasks: dict # task -> (a [N, D], b [N, D], gold [N]): each
         sims = (F.normalize(a, dim=-1) * F.normalize(b, dim=-1)).sum(-1).numpy()
         ours, ref = pair_spearman(a, b, gold), float(sps.spearmanr(sims, gold).statistic)
         out[t] = {"pairs": len(gold), "tied_gold": int(len(gold) - len(np.unique(gold))), "ours": ours, "scipy": ref, "ulps": ulps(ours, ref),
-                  "ranks_equal": bool(np.array_equal(rankdata(sims), sps.rankdata(sims)) and np.array_equal(rankdata(gold), sps.rankdata(gold))),
                   "cosine_similarity_equal": spearman(F.cosine_similarity(a, b, dim=-1).numpy(), gold) == ours}
     return out
 
@@ -110,8 +109,8 @@ def retrieval_vs_trec(x: torch.Tensor, # [N, D] caption vectors
                       groups: Sequence, # each caption's image
                       block: int = 500) -> Optional[dict]:
     "retrieval.retrieval_metrics against pytrec_eval (mteb's retrieval backend) on the same scores: R@1, R@5 (trec's success@k) and mAP, and each one's seconds; None where pytrec_eval is not installed."
-    try: import pytrec_eval     # deferred: the doors extra
-    except ImportError: return None
+    if importlib.util.find_spec("pytrec_eval") is None: return None      # the doors extra (mteb) brings it
+    import pytrec_eval          # deferred: the doors extra
     t0 = time.time(); ours = retrieval_metrics(x, groups); t_ours = time.time() - t0
     t0 = time.time()
     u = F.normalize(x.double(), dim=-1); n = len(groups); ids = [f"d{i:05d}" for i in range(n)]; g = list(groups)
@@ -130,10 +129,9 @@ def pooling_vs_sentence_transformers(hidden: dict, # name -> [B, L, D] hidden st
                                      mask: torch.Tensor # [B, L] 1 on real tokens
                                     ) -> Optional[dict]:
     "Per layer: teachers.mean_pool against sentence-transformers' Pooling('mean'), and the first-token read against Pooling('cls'): bit-identical, and the largest difference; None without sentence-transformers."
+    if importlib.util.find_spec("sentence_transformers") is None: return None    # the doors extra is not installed
     try: from sentence_transformers.sentence_transformer.modules import Pooling     # deferred: the doors extra
-    except ImportError:
-        try: from sentence_transformers.models import Pooling                        # sentence-transformers before 6
-        except ImportError: return None
+    except ModuleNotFoundError: from sentence_transformers.models import Pooling    # sentence-transformers before 6
     out = {}
     for name, h in hidden.items():
         feats = {"token_embeddings": h, "attention_mask": mask}
@@ -162,11 +160,13 @@ def procrustes_vs_scipy(xs: torch.Tensor, xr: torch.Tensor, # [N, D] two teacher
 
 def whitening_vs_scipy(x: torch.Tensor, # [N, D] vectors (float64)
                        eps: float = 1e-5) -> dict:
-    "alignment._whiten_colour's Σ^-1/2 and Σ^1/2 (one eigendecomposition, the ridge applied) against scipy.linalg.fractional_matrix_power of the same ridged covariance."
+    "alignment._whiten_colour's Σ^-1/2 and Σ^1/2 (one eigendecomposition, the ridge applied) against scipy.linalg.fractional_matrix_power of the same ridged covariance (the ridge added to the clamped eigenvalues, as the fit does)."
     import scipy.linalg as sla
     _, c = _teacher_moments(x, torch.arange(len(x)), "x")
     w, col = _whiten_colour(c, eps)
-    ridged = (c + eps * torch.trace(c) / len(c) * torch.eye(len(c), dtype=c.dtype)).numpy()
+    lam, v = torch.linalg.eigh(c)                                         # the ridge as _whiten_colour applies it: on the clamped eigenvalues
+    lam = lam.clamp_min(0) + eps * lam.clamp_min(0).mean()
+    ridged = ((v * lam) @ v.T).numpy()
     lw, lc = np.real(sla.fractional_matrix_power(ridged, -0.5)), np.real(sla.fractional_matrix_power(ridged, 0.5))
     return {"width": int(x.shape[1]), "largest_entry": float(np.abs(ridged).max()),
             "whiten_max_abs_diff": float(np.abs(w.numpy() - lw).max()), "colour_max_abs_diff": float(np.abs(col.numpy() - lc).max())}
@@ -193,8 +193,9 @@ def _rss_mb() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 def memmap_vs_safetensors(rows: int = 50_000, width: int = 1_000 # the tensor written: rows x width float32
-                         ) -> dict:
-    "embed.safetensors_memmap against safetensors' own numpy reader on one float32 tensor written to a temporary file: bit-identical, and the resident memory each adds when the tensor is opened (ours maps it; the library copies)."
+                         ) -> Optional[dict]:
+    "embed.safetensors_memmap against safetensors' own numpy reader on one float32 tensor written to a temporary file: bit-identical, and the resident memory each adds when the tensor is opened (ours maps it; the library copies); None without psutil."
+    if importlib.util.find_spec("psutil") is None: return None     # it comes with ipykernel, not with the workbook's own requirements
     from safetensors.numpy import save_file
     from safetensors import safe_open
     x = np.random.default_rng(0).standard_normal((rows, width), dtype=np.float32)

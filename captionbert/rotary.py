@@ -332,7 +332,7 @@ def step_ratio(cfg: RotaryConfig, # the study's size: its architecture, heads an
 def rotary_plan(cfg: RotaryConfig, # the study's size (and published stage)
                 seed: int = 1 # the seed whose 05 plan is shown (every seed trains the same recipe)
                ) -> dict:
-    "The dry-run plan of a rotary study: 05_train's plan_run for each option on this size's recipe (core.PLAN_KEYS), each option's parameters and memory estimate, the runs, the command."
+    "The dry-run plan of a rotary study: 05_recipe's plan_run for each option on this size's recipe (core.PLAN_KEYS), each option's parameters and memory estimate, the runs, the command."
     preset = cfg.train_preset if cfg.train_preset in ("smoke", "cpu") else "published"
     per, base = {}, None
     for o in cfg.options:

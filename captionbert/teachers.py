@@ -42,6 +42,11 @@ class TeacherSpec:
     def __post_init__(self):
         if self.pooling not in ("mean", "cls"):
             raise ValueError(f"teacher {self.name}: pooling {self.pooling!r} is not one the teacher reader computes: 'mean' or 'cls'")
+        if self.pooling == "cls" and self.layer == 0:
+            raise ValueError(f"teacher {self.name}: a first-token read of the embeddings layer gives every caption the same vector: read its mean")
+        if self.pooling == "cls" and self.family in STATIC_FAMILIES:     # (read only for a cls spec: defined below)
+            raise ValueError(f"teacher {self.name}: a static family ({self.family}) has word vectors, no model whose first token sums the "
+                             "caption: read its mean")
         if self.revision is not None and not re.fullmatch(r"[0-9a-f]{40}", self.revision):
             raise ValueError(f"teacher {self.name}: revision {self.revision!r} is not a 40-hex commit; a branch or tag moves, so a "
                              f"cache keyed on it would not name the weights. Pin the commit (huggingface_hub.HfApi().model_info("
@@ -465,6 +470,9 @@ def parse_teacher(text: str # one teacher of a roster (the grammar above)
                              "the real tokens), 'cls' (its first token's state), or either of hidden_states[k] ('mean-L<k>', 'cls-L<k>'); "
                              "max and last-token pooling are not read")
         how, layer = m[1], int(m[2]) if m[2] is not None else None
+        if how == "cls" and layer == 0:
+            raise ValueError(f"teacher {t!r}: 'cls-L0' reads the embeddings layer's first token, the same vector for every caption: read "
+                             "a deeper layer's (cls-L<k>, k >= 1) or the mean")
     if rev is not None and not re.fullmatch(r"[0-9a-f]{40}", rev):
         raise ValueError(f"teacher {t!r}: revision {rev!r} is not a 40-hex commit; a branch or tag moves, so nothing could name the weights. "
                          f"Pin the commit (huggingface_hub.HfApi().model_info({where!r}).sha gives the current one)")
@@ -569,8 +577,6 @@ def teacher_spec(text: str, # one teacher (parse_teacher's grammar)
                              f"{p['text'].rsplit(':', 1)[0]}:{lay['pooling']}" + ("" if p["layer"] is None else f"-L{p['layer']}")
                              + f" (its own), or read its transformer as hf:<its folder>:{p['pooling']} on purpose")
     family = (_read_json(source, p["revision"], "config.json", who) or {}).get("model_type") or "auto"   # as HUB_TEACHERS name theirs: views of one folder share it
-    if p["pooling"] == "cls" and family in STATIC_FAMILIES:
-        raise GuardError(f"the teacher {who} is a static family ({family}): its vectors have no first token to read; drop ':cls'")
     return TeacherSpec(name, source, str(family), layer=p["layer"], max_length=max_length, reference=reference, revision=p["revision"],
                        pooling=p["pooling"])
 

@@ -126,7 +126,8 @@ def run_card(run: RunDir # a run directory
     if tj is not None and tj.exists():              # the targets' manifest: the roster and the corpus they were built from
         m = json.loads(tj.read_text())
         local = lambda s: f"local:{'/'.join(Path(s).parts[-2:])}" if os.path.isabs(str(s)) else s   # a card names no folder of this machine
-        facts["teachers"] = [{**{k: t.get(k) for k in ("name", "revision", "layer") if t.get(k) is not None}, "source": local(t.get("source"))}
+        facts["teachers"] = [{**{k: t.get(k) for k in ("name", "revision", "layer") if t.get(k) is not None},
+                              **({"pooling": t["pooling"]} if t.get("pooling", "mean") != "mean" else {}), "source": local(t.get("source"))}
                              for t in m.get("teachers", [])]
         facts["corpus"] = {"spec": m.get("source"), "rows": m.get("n_rows"), "fingerprint": m.get("source_fingerprint")}
     return facts
@@ -210,7 +211,7 @@ def main(argv: Optional[Sequence[str]] = None):
     ap.add_argument("--roster", default=None, help="teacher roster (a name of teachers.ROSTERS); default: the preset's own")
     ap.add_argument("--teachers", nargs="+", default=None, metavar="TEACHER",
                     help="a roster of your own instead of --roster, the first the reference (space- or comma-separated): PyPI teachers "
-                         "minilm-L<1..6>, paraphrase-L<0..3>, glove-50d; hf:<id>@<40-hex commit>[:mean|:cls][-L<k>]; st:<id>@<commit>[:cls]; a folder")
+                         "minilm-L<1..6>, paraphrase-L<0..3>, glove-50d; hf:<id>@<40-hex commit>[:{mean|cls}[-L<k>]]; st:<id>@<commit>[:cls]; a folder")
     ap.add_argument("--captions", default=None, help="build the targets from these captions instead of the preset's: a text file, "
                     "jsonl:<path>:<column>[+<column>...], parquet:..., or hub:<dataset>@<commit>:<column>")
     ap.add_argument("--student", default=None, help="the student's size instead of the preset's: smoke, cpu or v2 (or tiny), or explicit "
