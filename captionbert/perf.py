@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 from .core import atomic_write_json, autocast, pick_device, pick_precision, set_seed
 from .data import Batch, LengthBucketSampler, collate, load_tokenizer, padding_report, tokenize
 from .sources import default_captions
-from .encoder import CaptionEncoder, EncoderConfig, EncoderOutput, n_params
+from .encoder import PACK_FFN_ABOVE, CaptionEncoder, EncoderConfig, EncoderOutput, n_params
 from .teachers import mean_pool
 from .loop import ConsensusLoss, TrainConfig, TrainStep
 from .recipe import fit_memory, train_memory_estimate
@@ -27,8 +27,8 @@ from .recipe import fit_memory, train_memory_estimate
 # %% auto #0
 __all__ = ['PARAM_TOLERANCE', 'STEP', 'MATMUL_OPS', 'BF16_PEAK_TFLOPS', 'PROGRAM_V2', 'LENGTH_MIX', 'BertTwin', 'check_same_size',
            'step_loss', 'summarize', 'train_step_benchmark', 'pair_step_benchmark', 'routed_step_benchmark',
-           'profile_step', 'caption_batches', 'flops_per_token', 'model_flops_per_step', 'activation_memory',
-           'device_peak_tflops', 'synthetic_lengths', 'synthetic_batch', 'gpu_check', 'main']
+           'ffn_packing_benchmark', 'profile_step', 'caption_batches', 'flops_per_token', 'model_flops_per_step',
+           'activation_memory', 'device_peak_tflops', 'synthetic_lengths', 'synthetic_batch', 'gpu_check', 'main']
 
 # %% ../nbs/05a_perf.ipynb #adcdd9ae
 PARAM_TOLERANCE = 0.01  # the twin's parameter count may differ from the encoder's by at most this fraction of it
@@ -197,6 +197,21 @@ def routed_step_benchmark(cfg: EncoderConfig, # the architecture; timed with a d
     for k in ("anchored", "dense"): set_seed(0); models[k] = CaptionEncoder(dataclasses.replace(cfg, ffn=k))
     return pair_step_benchmark(models["anchored"], models["dense"], batches, ("anchored", "dense"), "step_time_ratio_a1_vs_a2",   # < 1: a1 is faster
                                device=device, precision=precision, rounds=rounds, warmup=warmup, train_cfg=train_cfg)
+
+def ffn_packing_benchmark(cfg: EncoderConfig, # the architecture (an unrouted FFN: a routed one always packs)
+                          batches: Sequence, # Batch objects (the same for both models)
+                          device=None, precision: str | None = None, rounds: int = 3, warmup: int = 2,
+                          train_cfg: TrainConfig | None = None # as in train_step_benchmark
+                         ) -> dict:
+    "One encoder, seeded alike twice: its FFN always on the packed real tokens (pack_ffn_above 0) against the workbook's choice (encoder.PACK_FFN_ABOVE), through pair_step_benchmark; each batch's padded share beside."
+    models = {}
+    for k, share in (("packed", 0.0), ("chosen", PACK_FFN_ABOVE)):
+        set_seed(0); models[k] = CaptionEncoder(cfg); models[k].pack_ffn_above = share
+    out = pair_step_benchmark(models["packed"], models["chosen"], batches, ("packed", "chosen"), "step_time_ratio_packed_vs_chosen",   # > 1: the choice is faster
+                              device=device, precision=precision, rounds=rounds, warmup=warmup, train_cfg=train_cfg)
+    out["pack_ffn_above"] = PACK_FFN_ABOVE
+    out["padded_share"] = [round(1 - float(b.attention_mask.float().mean()), 4) for b in batches]
+    return out
 
 def profile_step(cfg: EncoderConfig, # the architecture to measure
                  batches: Sequence, # Batch objects (the same for both models)
@@ -422,6 +437,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--profile", action="store_true", help="instead of timing, profile --profile-steps steps of each model (CPU only): "
                     "the share of step time in matrix multiplies")
     ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--ffn-packing", action="store_true", help="instead of the BERT twin, time the encoder with its FFN always packed "
+                    "against the workbook's choice (encoder.PACK_FFN_ABOVE): the step-time ratio and each batch's padded share")
     ap.add_argument("--anchored", action="store_true", help="instead of the BERT twin, time the anchored trunk (AlephLM's a1) against "
                     "the dense one (a2) of the preset: key step_time_ratio_a1_vs_a2")
     ap.add_argument("--activation-memory", action="store_true", help="instead of timing, measure a step's peak memory at --rows batch sizes "
@@ -447,6 +464,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     head = {"preset": a.preset, "batch_size": a.batch_size, "captions": repr(src), "torch": torch.__version__}
     if a.anchored:
         res = {**head, **routed_step_benchmark(cfg, batches, device=a.device, precision=a.precision, rounds=a.rounds)}
+    elif a.ffn_packing:
+        res = {**head, **ffn_packing_benchmark(cfg, batches, device=a.device, precision=a.precision, rounds=a.rounds)}
     elif a.profile:
         res = {**head, **profile_step(cfg, batches, device=a.device or "cpu", precision=a.precision, steps=a.profile_steps)}
     else:
