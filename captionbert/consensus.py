@@ -200,7 +200,10 @@ def check_store(store: EmbeddingStore, # a merged store (e.g. written by `torchr
                          f"are asked for {getattr(source, 'name', source)!r} (fingerprint {source.fingerprint[:12]}): embed these captions "
                          "(the plan's embed stage names the --source and --limit), or build for the captions the store holds")
     want = [dataclasses.asdict(s) for s in specs]
-    have = [dataclasses.asdict(TeacherSpec(**t)) for t in m["teachers"]]   # read through the spec: a field added since (pooling) takes its default
+    try: have = [dataclasses.asdict(TeacherSpec(**t)) for t in m["teachers"]]   # read through the spec: a field added since (pooling) takes its default
+    except (TypeError, ValueError) as e:
+        raise GuardError(f"{where} records teachers this code cannot read ({type(e).__name__}: {e}): it was embedded by other code; re-embed "
+                         "with the plan's embed stage") from e
     if [t["name"] for t in have] == [t["name"] for t in want]:   # the same roster by name: same weights first, then same settings
         check_teachers(m.get("weights"), specs, where, "Re-embed with the current teachers (the plan's embed stage), or restore the teachers "
                        "the store was embedded with")

@@ -239,7 +239,8 @@ class AnchoredFFN(nn.Module):
 
 FFN_KINDS = {"dense": DenseFFN, "anchored": AnchoredFFN}
 PACK_FFN_ABOVE = 0.3   # a batch's padded share above which an unrouted FFN runs on the real tokens only, packed; at or below it, on every
-                       # position (the padding costs less than the gather and scatter: the crossover measured on CPU, 05a_perf)
+                       # position (the padding costs less than the gather and scatter): `python -m captionbert.perf --ffn-packing --record`
+                       # measures the crossover on a machine (findings/05a_perf.md: this CPU's)
 
 class Block(nn.Module):
     "A pre-norm transformer block: x + attn(LN(x)), then x + ffn(LN(x))."
@@ -250,15 +251,16 @@ class Block(nn.Module):
         self.attn, self.ffn = ATTENTION_KINDS[attention_kind(cfg.attention)](cfg), FFN_KINDS[cfg.ffn](cfg)
         self.drop = nn.Dropout(cfg.dropout)
         self.routing = None                                               # [B, L, K] routing weights of the last recorded forward
-        self.pack_ffn = True                                              # set a forward by the encoder (PACK_FFN_ABOVE); a routed FFN always packs
-    def forward(self, x, mask, positions, token_mask, need_weights: bool = False):
+    def forward(self, x, mask, positions, token_mask, need_weights: bool = False,
+                pack_ffn: bool = True # with padding: the FFN on the real tokens only (the encoder decides, PACK_FFN_ABOVE); a routed FFN always packs
+               ):
         a, w = self.attn(self.ln1(x), mask, positions, need_weights)
         x = x + self.drop(a)
-        if mask is None or not (self.pack_ffn or getattr(self.ffn, "routed", False)):   # every position: padded ones are computed, never read
+        if mask is None or not (pack_ffn or getattr(self.ffn, "routed", False)):   # every position: padded ones are computed, never read
             x = x + self.drop(self.ffn(self.ln2(x), token_mask))
             self.routing = getattr(self.ffn, "last_routing", None)
             return x, w
-        # padded batch: the FFN half runs on the real tokens only, packed [T, D]; padded positions skip it
+        # heavy padding: the FFN half runs on the real tokens only, packed [T, D]; padded positions skip it
         idx = token_mask.flatten().nonzero().squeeze(1)                      # [T]
         flat = x.reshape(-1, x.shape[-1])                                   # [B*L, D]
         y = self.drop(self.ffn(self.ln2(flat.index_select(0, idx)), None))  # [T, D]
@@ -413,13 +415,12 @@ class CaptionEncoder(nn.Module):
         x = self.drop(self.emb_norm(self.positions.embed(self.tokens(input_ids))))
         hidden, attns, routing, flags = [x] if output_hidden_states else None, [] if output_attentions else None, [], []
         for block in self.blocks:
-            block.pack_ffn = pack
             if getattr(block.ffn, "routed", False): block.ffn.record = record_routing
         for i, block in enumerate(self.blocks):
             if self.gradient_checkpointing and self.training and not output_attentions:
-                x, w = checkpoint(block, x, mask, self.positions, token_mask, use_reentrant=False)
+                x, w = checkpoint(block, x, mask, self.positions, token_mask, False, pack, use_reentrant=False)   # the recompute takes the same path
             else:
-                x, w = block(x, mask, self.positions, token_mask, output_attentions)
+                x, w = block(x, mask, self.positions, token_mask, output_attentions, pack)
             if self.residual_hook is not None: x = self.residual_hook(i, x, token_mask)   # e.g. adapter arms
             if output_hidden_states: hidden.append(x)
             if output_attentions: attns.append(w)

@@ -45,7 +45,7 @@ def spearman_vs_scipy(tasks: dict # task -> (a [N, D], b [N, D], gold [N]): each
         gold = np.asarray(gold, dtype=np.float64)
         sims = (F.normalize(a, dim=-1) * F.normalize(b, dim=-1)).sum(-1).numpy()
         ours, ref = pair_spearman(a, b, gold), float(sps.spearmanr(sims, gold).statistic)
-        out[t] = {"pairs": len(gold), "tied_gold": int(len(gold) - len(np.unique(gold))), "ours": ours, "scipy": ref, "ulps": ulps(ours, ref),
+        out[t] = {"pairs": len(gold), "repeated_gold": int(len(gold) - len(np.unique(gold))), "ours": ours, "scipy": ref, "ulps": ulps(ours, ref),
                   "cosine_similarity_equal": spearman(F.cosine_similarity(a, b, dim=-1).numpy(), gold) == ours}
     return out
 

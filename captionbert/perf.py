@@ -7,7 +7,7 @@
 # %% ../nbs/05a_perf.ipynb #fbdc220d
 from __future__ import annotations
 
-import argparse, dataclasses, json, os, statistics, time
+import argparse, dataclasses, json, os, statistics, sys, time
 from typing import Sequence
 
 import numpy as np
@@ -27,8 +27,9 @@ from .recipe import fit_memory, train_memory_estimate
 # %% auto #0
 __all__ = ['PARAM_TOLERANCE', 'STEP', 'MATMUL_OPS', 'BF16_PEAK_TFLOPS', 'PROGRAM_V2', 'LENGTH_MIX', 'BertTwin', 'check_same_size',
            'step_loss', 'summarize', 'train_step_benchmark', 'pair_step_benchmark', 'routed_step_benchmark',
-           'ffn_packing_benchmark', 'profile_step', 'caption_batches', 'flops_per_token', 'model_flops_per_step',
-           'activation_memory', 'device_peak_tflops', 'synthetic_lengths', 'synthetic_batch', 'gpu_check', 'main']
+           'padded_batch', 'ffn_packing_sweep', 'profile_step', 'caption_batches', 'flops_per_token',
+           'model_flops_per_step', 'activation_memory', 'device_peak_tflops', 'synthetic_lengths', 'synthetic_batch',
+           'gpu_check', 'record_ffn_packing', 'main']
 
 # %% ../nbs/05a_perf.ipynb #adcdd9ae
 PARAM_TOLERANCE = 0.01  # the twin's parameter count may differ from the encoder's by at most this fraction of it
@@ -198,20 +199,36 @@ def routed_step_benchmark(cfg: EncoderConfig, # the architecture; timed with a d
     return pair_step_benchmark(models["anchored"], models["dense"], batches, ("anchored", "dense"), "step_time_ratio_a1_vs_a2",   # < 1: a1 is faster
                                device=device, precision=precision, rounds=rounds, warmup=warmup, train_cfg=train_cfg)
 
-def ffn_packing_benchmark(cfg: EncoderConfig, # the architecture (an unrouted FFN: a routed one always packs)
-                          batches: Sequence, # Batch objects (the same for both models)
-                          device=None, precision: str | None = None, rounds: int = 3, warmup: int = 2,
-                          train_cfg: TrainConfig | None = None # as in train_step_benchmark
-                         ) -> dict:
-    "One encoder, seeded alike twice: its FFN always on the packed real tokens (pack_ffn_above 0) against the workbook's choice (encoder.PACK_FFN_ABOVE), through pair_step_benchmark; each batch's padded share beside."
-    models = {}
-    for k, share in (("packed", 0.0), ("chosen", PACK_FFN_ABOVE)):
-        set_seed(0); models[k] = CaptionEncoder(cfg); models[k].pack_ffn_above = share
-    out = pair_step_benchmark(models["packed"], models["chosen"], batches, ("packed", "chosen"), "step_time_ratio_packed_vs_chosen",   # > 1: the choice is faster
-                              device=device, precision=precision, rounds=rounds, warmup=warmup, train_cfg=train_cfg)
-    out["pack_ffn_above"] = PACK_FFN_ABOVE
-    out["padded_share"] = [round(1 - float(b.attention_mask.float().mean()), 4) for b in batches]
-    return out
+def padded_batch(rows: int, length: int, # the batch's shape
+                 share: float, # its padded share: one row full, the others as long as the share leaves them
+                 vocab: int = 30522, seed: int = 0) -> Batch:
+    "A right-padded batch of random token ids whose padded share is `share` (to within a row's rounding)."
+    if not 0 <= share < 1 or rows < 2: raise ValueError(f"a padded share in [0, 1) over at least 2 rows, got {share} over {rows}")
+    rest = max(1, min(length, round(((1 - share) * rows * length - length) / (rows - 1))))
+    am = (torch.arange(length)[None] < torch.tensor([length] + [rest] * (rows - 1))[:, None]).long()
+    return Batch(torch.randint(1000, vocab, (rows, length), generator=torch.Generator().manual_seed(seed)) * am, am, torch.arange(rows))
+
+def ffn_packing_sweep(cfg: EncoderConfig, # the architecture (an unrouted FFN: a routed one always packs)
+                      shares: Sequence[float] = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6), # the padded shares timed
+                      rows: int = 256, length: int = 40, # each batch's shape (Flickr8k's bucketed batches: 256 rows of 10-40 tokens)
+                      device=None, precision: str | None = None, rounds: int = 3, warmup: int = 1,
+                      train_cfg: TrainConfig | None = None # as in train_step_benchmark
+                     ) -> dict:
+    "At each padded share, one encoder seeded alike twice, its FFN always on the packed real tokens (pack_ffn_above 0) against always on every position (1), through pair_step_benchmark on two batches of that share: the step-time ratio packed / every position (> 1: packing is the slower), and the share where packing starts to pay."
+    if getattr(CaptionEncoder(dataclasses.replace(cfg, layers=1)).blocks[0].ffn, "routed", False):
+        raise ValueError(f"a routed FFN ({cfg.ffn}) always packs: there is nothing to compare")
+    sweep = []
+    for s in shares:
+        models = {}
+        for k, t in (("packed", 0.0), ("every", 1.0)): set_seed(0); models[k] = CaptionEncoder(cfg); models[k].pack_ffn_above = t
+        bs = [padded_batch(rows, length, s, cfg.vocab_size, seed=i) for i in range(2)]
+        r = pair_step_benchmark(models["packed"], models["every"], bs, ("packed", "every"), "ratio", device=device, precision=precision,
+                                rounds=rounds, warmup=warmup, train_cfg=train_cfg)
+        sweep.append({"share": round(1 - float(torch.cat([b.attention_mask for b in bs]).float().mean()), 4), "ratio": r["ratio"],
+                      "packed_s": r["packed"]["total_s"], "every_s": r["every"]["total_s"]})
+    pays = [x["share"] for x in sweep if x["ratio"] < 1]
+    return {"rows": rows, "length": length, "pack_ffn_above": PACK_FFN_ABOVE, "sweep": sweep, "packing_pays_from": min(pays) if pays else None,
+            "device": str(pick_device(device)), "threads": torch.get_num_threads()}
 
 def profile_step(cfg: EncoderConfig, # the architecture to measure
                  batches: Sequence, # Batch objects (the same for both models)
@@ -424,6 +441,28 @@ def gpu_check(device=None, small: bool = False, # small: a tiny encoder and teac
             "projection": {**proj, "from": best["label"] if best else None, "program": PROGRAM_V2}}
 
 # %% ../nbs/05a_perf.ipynb #78710b66
+def record_ffn_packing(res: dict, # ffn_packing_sweep's result (with the CLI's "preset")
+                       command: str, # the command that reproduces it
+                       root=None # the checkout whose results/ it goes to (None: this one)
+                      ) -> list:
+    "The sweep as a results record (results/05a_perf-<preset>-seed0.json, rendered into findings/05a_perf.md): each share's step-time ratio, and whether encoder.PACK_FFN_ABOVE sits where packing starts to pay."
+    from captionbert import report as rpt       # deferred: only the recording reads it
+    thr, sweep = res["pack_ffn_above"], res["sweep"]
+    findings = [rpt.finding(f"ffn_packing.share_{round(x['share'] * 100):02d}", x["ratio"], f"padded share {x['share']:.2f}: step time, the FFN packed / on every position",
+                            ".3f", note="> 1: packing is the slower; a timing on a shared machine is read, not tested") for x in sweep]
+    right = all(x["ratio"] >= 1 for x in sweep if x["share"] <= thr) and all(x["ratio"] < 1 for x in sweep if x["share"] > thr)
+    pays = res["packing_pays_from"]
+    verdicts = [rpt.verdict(f"encoder.PACK_FFN_ABOVE = {thr}: the FFN runs on every position at or below this padded share, packed above it", None,
+                            ("packing is the faster from a padded share of " + f"{pays:.2f}" if pays is not None else "packing is the slower at every share timed")
+                            + "; " + ", ".join(f"{x['share']:.2f}: {x['ratio']:.3f}" for x in sweep),
+                            reading="the threshold sits at the crossover" if right else "the crossover measured here is not at the threshold")]
+    tables = [rpt.table(f"{res['rows']} rows x {res['length']} tokens, {res['preset']} encoder, {res['device']} ({res['threads']} threads)",
+                        ["padded share", "packed, s", "every position, s", "ratio"], [[x["share"], x["packed_s"], x["every_s"], x["ratio"]] for x in sweep])]
+    record = rpt.results_record("05a_perf", res["preset"], 0, findings, verdicts, tables, command=command,
+                                data={"batches": f"random token ids, {res['rows']} x {res['length']}, two batches a share"},
+                                extra={k: res[k] for k in ("rows", "length", "device", "threads", "torch")})
+    return rpt.write_results(record, None, keep=True, root=root)
+
 def main(argv: Sequence[str] | None = None) -> dict:
     "Command-line entry point: print the figures as one JSON object."
     ap = argparse.ArgumentParser(prog="python -m captionbert.perf", description="Full training-step throughput vs transformers.BertModel of the same size.")
@@ -438,7 +477,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     "the share of step time in matrix multiplies")
     ap.add_argument("--profile-steps", type=int, default=3)
     ap.add_argument("--ffn-packing", action="store_true", help="instead of the BERT twin, time the encoder with its FFN always packed "
-                    "against the workbook's choice (encoder.PACK_FFN_ABOVE): the step-time ratio and each batch's padded share")
+                    "against always on every position, at padded shares 0.05-0.6 (what encoder.PACK_FFN_ABOVE is chosen from)")
+    ap.add_argument("--record", action="store_true", help="with --ffn-packing: write the sweep as results/05a_perf-<preset>-seed0.json (findings/05a_perf.md)")
     ap.add_argument("--anchored", action="store_true", help="instead of the BERT twin, time the anchored trunk (AlephLM's a1) against "
                     "the dense one (a2) of the preset: key step_time_ratio_a1_vs_a2")
     ap.add_argument("--activation-memory", action="store_true", help="instead of timing, measure a step's peak memory at --rows batch sizes "
@@ -465,7 +505,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if a.anchored:
         res = {**head, **routed_step_benchmark(cfg, batches, device=a.device, precision=a.precision, rounds=a.rounds)}
     elif a.ffn_packing:
-        res = {**head, **ffn_packing_benchmark(cfg, batches, device=a.device, precision=a.precision, rounds=a.rounds)}
+        res = {**head, **ffn_packing_sweep(cfg, device=a.device, precision=a.precision, rounds=a.rounds)}
+        if a.record: print("results written:", record_ffn_packing(res, " ".join(["python -m captionbert.perf", *(argv if argv is not None else sys.argv[1:])])))
     elif a.profile:
         res = {**head, **profile_step(cfg, batches, device=a.device or "cpu", precision=a.precision, steps=a.profile_steps)}
     else:

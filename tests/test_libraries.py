@@ -122,6 +122,21 @@ def test_procrustes_matches_scipy_where_unique_and_reaches_where_scipy_cannot():
     with pytest.raises(ValueError, match="shapes"): sla.orthogonal_procrustes(zs[:, :8].numpy(), zr.numpy())
 
 
+def test_whitening_matches_scipy_fractional_power():
+    """alignment._whiten_colour's Σ^-1/2 and Σ^1/2 equal scipy.linalg.fractional_matrix_power of the same ridged covariance
+    (the ridge on the clamped eigenvalues, as the fit applies it) to 1e-9, and are each other's inverse. Catches a ridge
+    that is not relative to the mean eigenvalue, V diag V^T written V^T diag V, and square roots swapped."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(500, 24, generator=g, dtype=torch.float64) @ torch.randn(24, 24, generator=g, dtype=torch.float64)
+    c = torch.cov(x.T); eps = 1e-5
+    w, col = _whiten_colour(c, eps)
+    lam, v = torch.linalg.eigh(c); lam = lam.clamp_min(0) + eps * lam.clamp_min(0).mean()
+    ridged = ((v * lam) @ v.T).numpy()
+    assert np.abs(w.numpy() - np.real(sla.fractional_matrix_power(ridged, -0.5))).max() < 1e-9
+    assert np.abs(col.numpy() - np.real(sla.fractional_matrix_power(ridged, 0.5))).max() < 1e-9
+    torch.testing.assert_close(w @ col, torch.eye(24, dtype=torch.float64))
+
+
 def test_retrieval_matches_pytrec_eval_without_ties():
     """retrieval.retrieval_metrics equals pytrec_eval (mteb's retrieval backend) on R@1, R@5 (trec's success@k) and mAP
     when no two scores tie, even at float32 (trec_eval keeps scores as float32 and breaks ties by document id); with a
