@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
+from . import report as rpt
 from .core import atomic_write_json, autocast, pick_device, pick_precision, set_seed
 from .data import Batch, LengthBucketSampler, collate, load_tokenizer, padding_report, tokenize
 from .sources import default_captions
@@ -446,7 +447,6 @@ def record_ffn_packing(res: dict, # ffn_packing_sweep's result (with the CLI's "
                        root=None # the checkout whose results/ it goes to (None: this one)
                       ) -> list:
     "The sweep as a results record (results/05a_perf-<preset>-seed0.json, rendered into findings/05a_perf.md): each share's step-time ratio, and whether encoder.PACK_FFN_ABOVE sits where packing starts to pay."
-    from captionbert import report as rpt       # deferred: only the recording reads it
     thr, sweep = res["pack_ffn_above"], res["sweep"]
     findings = [rpt.finding(f"ffn_packing.share_{round(x['share'] * 100):02d}", x["ratio"], f"padded share {x['share']:.2f}: step time, the FFN packed / on every position",
                             ".3f", note="> 1: packing is the slower; a timing on a shared machine is read, not tested") for x in sweep]
