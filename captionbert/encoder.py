@@ -238,7 +238,7 @@ class AnchoredFFN(nn.Module):
     def __repr__(self): return f"AnchoredFFN({self.K} x {self.E} dispatched + trunk {self.E}, router {self.router}, tau {self.tau})"
 
 FFN_KINDS = {"dense": DenseFFN, "anchored": AnchoredFFN}
-PACK_FFN_ABOVE = 0.3   # a batch's padded share above which an unrouted FFN runs on the real tokens only, packed; at or below it, on every
+PACK_FFN_ABOVE = 0.15  # a batch's padded share above which an unrouted FFN runs on the real tokens only, packed; at or below it, on every
                        # position (the padding costs less than the gather and scatter): `python -m captionbert.perf --ffn-packing --record`
                        # measures the crossover on a machine (findings/05a_perf.md: this CPU's)
 
