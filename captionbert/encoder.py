@@ -238,9 +238,9 @@ class AnchoredFFN(nn.Module):
     def __repr__(self): return f"AnchoredFFN({self.K} x {self.E} dispatched + trunk {self.E}, router {self.router}, tau {self.tau})"
 
 FFN_KINDS = {"dense": DenseFFN, "anchored": AnchoredFFN}
-PACK_FFN_ABOVE = 0.15  # a batch's padded share above which an unrouted FFN runs on the real tokens only, packed; at or below it, on every
-                       # position (the padding costs less than the gather and scatter): `python -m captionbert.perf --ffn-packing --record`
-                       # measures the crossover on a machine (findings/05a_perf.md: this CPU's)
+PACK_FFN_ABOVE = 0.0   # a batch's padded share above which an unrouted FFN runs on the real tokens only, packed; at or below it, on every
+                       # position. 0: always packed where there is padding. `python -m captionbert.perf --ffn-packing --record` times both
+                       # paths across padded shares (findings/05a_perf.md: on this CPU, no share where every position pays beyond the noise)
 
 class Block(nn.Module):
     "A pre-norm transformer block: x + attn(LN(x)), then x + ffn(LN(x))."

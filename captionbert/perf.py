@@ -450,12 +450,13 @@ def record_ffn_packing(res: dict, # ffn_packing_sweep's result (with the CLI's "
     thr, sweep = res["pack_ffn_above"], res["sweep"]
     findings = [rpt.finding(f"ffn_packing.share_{round(x['share'] * 100):02d}", x["ratio"], f"padded share {x['share']:.2f}: step time, the FFN packed / on every position",
                             ".3f", note="> 1: packing is the slower; a timing on a shared machine is read, not tested") for x in sweep]
-    right = all(x["ratio"] >= 1 for x in sweep if x["share"] <= thr) and all(x["ratio"] < 1 for x in sweep if x["share"] > thr)
+    band = 0.05                                  # a ratio within 5% of 1 is read as a tie: timings on a shared machine
+    right = all(x["ratio"] >= 1 - band for x in sweep if x["share"] <= thr) and all(x["ratio"] <= 1 + band for x in sweep if x["share"] > thr)
     pays = res["packing_pays_from"]
     verdicts = [rpt.verdict(f"encoder.PACK_FFN_ABOVE = {thr}: the FFN runs on every position at or below this padded share, packed above it", None,
                             ("packing is the faster from a padded share of " + f"{pays:.2f}" if pays is not None else "packing is the slower at every share timed")
                             + "; " + ", ".join(f"{x['share']:.2f}: {x['ratio']:.3f}" for x in sweep),
-                            reading="the threshold sits at the crossover" if right else "the crossover measured here is not at the threshold")]
+                            reading="consistent with the threshold (within a 5% band)" if right else "the crossover measured here is not at the threshold")]
     tables = [rpt.table(f"{res['rows']} rows x {res['length']} tokens, {res['preset']} encoder, {res['device']} ({res['threads']} threads)",
                         ["padded share", "packed, s", "every position, s", "ratio"], [[x["share"], x["packed_s"], x["every_s"], x["ratio"]] for x in sweep])]
     record = rpt.results_record("05a_perf", res["preset"], 0, findings, verdicts, tables, command=command,
