@@ -30,9 +30,9 @@ from .teachers import ROSTERS, probe_teachers, roster as teacher_roster, roster_
 # %% auto #0
 __all__ = ['DECLARED_KEYS', 'own_inputs', 'explore_first', 'resolve_targets', 'check_roster', 'declared_changes', 'run_targets',
            'caption_source', 'training_range', 'RunRows', 'run_rows', 'assert_same_rows', 'texts_of',
-           'resolve_train_config', 'own_roster', 'student_config', 'student_text', 'run_name', 'resolve_encoder_config',
-           'train_memory_estimate', 'fit_memory', 'card_memory_gb', 'card_fit', 'plan_run', 'accepting_config',
-           'with_checkpointing', 'memory_choice']
+           'resolve_train_config', 'own_roster', 'student_config', 'student_text', 'run_name', 'resolve_recipe',
+           'resolve_encoder_config', 'train_memory_estimate', 'fit_memory', 'card_memory_gb', 'card_fit', 'plan_run',
+           'accepting_config', 'with_checkpointing', 'memory_choice']
 
 # %% ../nbs/05_recipe.ipynb #c20a717b
 def own_inputs(cfg: TrainConfig) -> bool:
@@ -302,6 +302,15 @@ def run_name(cfg: TrainConfig, # the run's recipe (its label)
     size = text if "=" not in text else f"{enc.layers}x{enc.hidden}-{sha256_bytes(text.encode())[:6]}"
     return f"05_train-{cfg.label(recipe)}-student-{size}-seed{seed}"
 
+def resolve_recipe(preset: str, roster=None, teachers=None, max_steps=None, train_config=None, captions=None, student=None,
+                   encoder_config=None # as for run_consensus_training
+                  ) -> tuple:
+    "(the canonical preset, its TrainConfig, the student's EncoderConfig or None): the one resolution of a run's arguments, for the run, its plan and its card fit."
+    name = TrainConfig.canonical(resolve_preset(preset, TrainConfig.PRESETS, published="v2", section="05_train"))
+    cfg = resolve_train_config(name, own_roster(roster, teachers), max_steps, train_config, captions)
+    if student is not None and encoder_config is not None: raise ValueError("pass student= (a size or dims) or encoder_config=, not both")
+    return name, cfg, (student_config(student, cfg) if student is not None else encoder_config)
+
 def resolve_encoder_config(cfg: TrainConfig, # the run's TrainConfig (its `encoder` preset name)
                            out_dim: int, # the targets' width
                            encoder_config=None # the student's EncoderConfig; None: the preset cfg.encoder names
@@ -377,10 +386,7 @@ def plan_run(preset: str = "auto", # as for run_consensus_training
              gpu_memory_gb: Optional[float] = None # the card the step must fit (fit_memory chooses chunk_rows); None: the recipe's chunk_rows
             ) -> dict:
     "The resolved plan of a training run, computed with no network and no GPU (see core.emit_plan for the shared keys; a hub teacher of one's own roster must be in the hub cache for its width)."
-    name = TrainConfig.canonical(resolve_preset(preset, TrainConfig.PRESETS, published="v2", section="05_train"))
-    cfg = resolve_train_config(name, own_roster(roster, teachers), max_steps, train_config, captions)
-    if student is not None and encoder_config is not None: raise ValueError("pass student= (a size or dims) or encoder_config=, not both")
-    encoder_config = student_config(student, cfg) if student is not None else encoder_config
+    name, cfg, encoder_config = resolve_recipe(preset, roster, teachers, max_steps, train_config, captions, student, encoder_config)
     acfg = cfg.alignment_config()
     published = acfg.name == "published"
     corpus = corpus_plan(acfg)            # counted (inspect's manifest, or a local source read here) or declared, and the row check's verdict

@@ -17,12 +17,12 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from .benchmark import StudentEncoder, TASK_NAMES, evaluate, evaluate_views, hub_eval_results, load_sts_task, sts_unavailable
-from .core import (RunDir, atomic_write_json, autocast, code_version, dist_world as _world, emit_plan, keep_run_locks, pick_device, pick_precision, resolve_preset, set_seed, sha256_bytes, stage_hash)
+from .core import (RunDir, atomic_write_json, autocast, code_version, dist_world as _world, emit_plan, keep_run_locks, pick_device, pick_precision, set_seed, sha256_bytes, stage_hash)
 from .data import TokenStore, cache_dir, collate, load_tokenizer, runs_dir, sorted_batches, token_store
 from .encoder import CaptionEncoder, EncoderConfig, n_params
 from .hf import export_pretrained, verify_export, write_model_card
 from .loop import BatchPlan, ConsensusGauges, ConsensusLoss, NothingToTrain, TrainConfig, TrainResult, unwrap_model, train
-from .recipe import (accepting_config, assert_same_rows, caption_source, memory_choice, own_roster, plan_run, resolve_encoder_config, resolve_train_config, run_name, run_rows, run_targets, student_config, texts_of, with_checkpointing)
+from .recipe import (accepting_config, assert_same_rows, caption_source, memory_choice, plan_run, resolve_encoder_config, resolve_recipe, run_name, run_rows, run_targets, texts_of, with_checkpointing)
 from .teachers import load_teachers, teacher_identities
 
 
@@ -69,10 +69,7 @@ def run_consensus_training(seed: int = 0, # the run's seed
                            student=None # the student's size instead of the preset's: a size name or explicit dims (student_config)
                           ) -> ConsensusRun:
     "Targets -> tokenized captions -> student -> the one training loop (-> the harness); returns the run and the trained model. A roster or captions of one's own are explored first (explore_first)."
-    preset = TrainConfig.canonical(resolve_preset(preset, TrainConfig.PRESETS, published="v2", section="05_train"))
-    cfg = resolve_train_config(preset, own_roster(roster, teachers), max_steps, train_config, captions)
-    if student is not None and encoder_config is not None: raise ValueError("pass student= (a size or dims) or encoder_config=, not both")
-    encoder_config = student_config(student, cfg) if student is not None else encoder_config
+    preset, cfg, encoder_config = resolve_recipe(preset, roster, teachers, max_steps, train_config, captions, student, encoder_config)
     run_path = Path(run_dir) if run_dir else runs_dir(run_name(cfg, preset, seed, encoder_config))
     rank, world = _world()
     dev = pick_device(device) if not isinstance(device, torch.device) else device
