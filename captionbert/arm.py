@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 from .adapters import Arm, backbone_fingerprint, check_backbone
 from .core import GuardError, atomic_path, read_safetensors
 from .data import bundled_minilm_path, collate, load_tokenizer
-from .encoder import CaptionEncoder, LearnedPositions, set_residual_hook
+from .encoder import CaptionEncoder, set_residual_hook
+from .positions import LearnedPositions
 
 # %% auto #0
 __all__ = ['DEPTH_ARM_FORMAT', 'model_capacity', 'copied_rows', 'seam_positions', 'copied_positions', 'trunk_dims',

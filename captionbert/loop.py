@@ -23,7 +23,8 @@ from .benchmark import pooled_outputs
 from .core import (GuardError, RunDir, atomic_path, atomic_write_bytes, autocast, fault_point, pick_device, pick_precision,
                               to_jsonable)
 from .data import Batch, LengthBucketSampler, TokenStore
-from .encoder import CaptionEncoder, EncoderConfig, backward_aux, check_binding_precision
+from .encoder import CaptionEncoder, EncoderConfig
+from .positions import backward_aux, check_binding_precision
 from .gauges import effective_rank, mimicry_r1, query_set_report, self_cosine
 from .teachers import roster_label, roster_text
 
@@ -234,7 +235,7 @@ class TrainStep:
         aux = backward_aux(model)
         for name, (w, a) in aux.items():
             if not torch.isfinite(a): raise FloatingPointError(
-                f"the {name} is {a.item()} at step {step} (in the gradient with weight {w}, through encoder._AddAux): the step stops before "
+                f"the {name} is {a.item()} at step {step} (in the gradient with weight {w}, through positions._AddAux): the step stops before "
                 "its backward and optimizer step, so the weights are still finite; the run stops here (checkpoint at the last snapshot)")
         if not torch.isfinite(loss): raise FloatingPointError(f"loss is {loss.item()} at step {step}; the run stops here (checkpoint at the last snapshot)")
         return aux

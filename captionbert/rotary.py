@@ -25,7 +25,8 @@ from .benchmark import DEV_TASKS, StudentEncoder, TASK_NAMES, evaluate
 from .consensus import consensus
 from .core import GuardError, Presets, RunDir, emit_plan, member_of, pick_device, pick_precision, read_lines, set_seed, sha256_bytes, to_jsonable
 from .data import collate, find_data, load_tokenizer, stratified_sample, token_store
-from .encoder import CaptionEncoder, EncoderConfig, check_binding_precision, n_params, pointer_targets, wordpiece_kinds
+from .encoder import CaptionEncoder, EncoderConfig, n_params
+from .positions import check_binding_precision, pointer_targets, wordpiece_kinds
 from .gauges import effective_rank, self_cosine
 from .perf import caption_batches, pair_step_benchmark
 from .teachers import load_teachers, roster

@@ -7,160 +7,29 @@ below runs the battery beside that block's scaling benchmark and paired screens 
 # %% ../nbs/10_splat.ipynb #896066aa
 from __future__ import annotations
 
-import dataclasses, math, time
+import math, time
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from .core import Presets
 from .encoder import CaptionEncoder, EncoderConfig
-from .routers import ROUTERS
 from .data import Batch
 from .loop import TrainConfig, TrainStep
 from .report import finding, results_record
 from .splat_block import SPLAT_TAU, SplatAttention, peak_live_bytes
+from .splat_store import (BATTERY_TAU, BATTERY_TAUS, BatteryConfig, Verdict, address, battery_size, codebooks, items,
+                                     read, split_budget, top1, two_seeds, write)
 
 # %% auto #0
-__all__ = ['BATTERY_TAU', 'BATTERY_TAUS', 'PUBLISHED', 'CLAIMS', 'CONTROLS', 'PRODUCT_CODE_PUBLISHED', 'BLEND_PUBLISHED',
-           'TAU_BOUND', 'TRAINABILITY_FLOOR', 'TRAINABILITY_OTHER', 'BatteryConfig', 'battery_size', 'check_finite',
-           'split_budget', 'codebooks', 'address', 'write', 'read', 'top1', 'items', 'two_seeds', 'Verdict',
-           'run_probe', 'tau_sweep', 'probe_product_code', 'product_code_bar', 'product_code_rule',
-           'opinion_similarity', 'probe_differentiation', 'differentiation_rule', 'compose_reads', 'probe_blend_select',
-           'blend_rule', 'blend_control', 'key_view', 'probe_partitions', 'storage_rule', 'resolution_rule',
-           'probe_locality', 'locality_rule', 'address_entropy', 'matched_tau', 'probe_signed_softmax', 'signed_rule',
-           'signed_control', 'block_readback', 'student_kind', 'trainability_recipe', 'probe_trainability',
-           'trainability_rule', 'trainability_control', 'print_battery', 'battery_results']
-
-# %% ../nbs/10_splat.ipynb #39c5ebcd
-BATTERY_TAU = 0.02         # the temperature every verdict uses: declared in this notebook's first version (the article states none for its battery)
-BATTERY_TAUS = (0.02, 0.05, 0.10)   # the sweep printed beside the temperature-bound verdicts: .10 is the router's and the block's default (SPLAT_TAU)
-
-@dataclasses.dataclass(frozen=True)
-class BatteryConfig(Presets):
-    "The battery's dimensions at one run size (core.SIZES): smoke runs in seconds under the tests; the sizes share the store's dimensions."
-    dim: int = 64                     # key dimensions
-    budget: int = 256                 # anchor directions in all (split into the probe's codebooks)
-    items: int = 256                  # items stored
-    value_dim: int = 64               # value dimensions
-    noise: float = 0.35               # a query's noise relative to its key (cosine ~.94)
-    trials: int = 3                   # seeded trials a readback averages
-    steps: int = 300                  # training steps of the differentiation probe
-    train_steps: int = 150            # training steps of the trainability screen
-    context: int = 2048               # the locality probe's context (tokens)
-    locality_heads: tuple = (1, 16, 128, 2048)   # head counts the locality probe shards the context into
-    locality_judged: int = 128        # the head count the locality verdict reads (16 tokens a head: not the trivial 1 token a head)
-    lengths: tuple = (256, 512, 1024, 2048)      # lengths the locality probe's cost is measured at
-    PRESETS, SIZE_OF = ("smoke", "cpu", "published"), "battery size"   # core.Presets: preset(name) builds each by its classmethod
-    @classmethod
-    def smoke(cls, **kw):
-        return cls(**{"trials": 1, "steps": 30, "train_steps": 10, "context": 256, "locality_heads": (1, 16, 256), "locality_judged": 16,
-                      "lengths": (64, 128, 256), **kw})
-    @classmethod
-    def cpu(cls, **kw): return cls(**kw)
-    @classmethod
-    def published(cls, **kw): return cls.cpu(**kw)   # the battery is CPU mathematics: the published size is the cpu size
-
-def battery_size(size: str | BatteryConfig = "smoke" # a run size of core.SIZES, or a BatteryConfig (a planted size: the tests' inputs on which a control passes)
-                ) -> dict:
-    "The battery's dimensions at a run size, as a dict (an unknown size is an error listing the sizes)."
-    return dataclasses.asdict(size if isinstance(size, BatteryConfig) else BatteryConfig.preset(size))
-
-def check_finite(probe: str, # the probe's name, carried by the error
-                 **tensors):
-    "Raise a ValueError naming the probe and the tensor when any of `tensors` holds NaN (or inf)."
-    for name, x in tensors.items():
-        if not torch.isfinite(x).all():
-            raise ValueError(f"{probe}: {name} holds NaN or inf ({int((~torch.isfinite(x)).sum())} of {x.numel()} entries); "
-                             "every address must be finite: check the keys and the anchors fed to this probe")
-
-def split_budget(probe: str, # the probe's name, carried by the error
-                 budget: int, # total anchor directions
-                 books: int # codebooks to split them into
-                ) -> int:
-    "Anchors per codebook when `budget` splits evenly into `books`; a ValueError naming the probe otherwise."
-    if books < 1 or budget < 1 or budget % books:
-        raise ValueError(f"{probe}: a budget of {budget} anchors does not divide into {books} codebooks of equal size; "
-                         f"choose a number of codebooks that divides {budget}")
-    return budget // books
-
-def codebooks(books: int, per_book: int, dim: int, # M codebooks of A unit anchors in `dim` dimensions
-              seed: int = 0,
-              copies: bool = False, # every codebook the same anchors (an undifferentiated control)
-              jitter: float = 0.0 # with copies: each copy moved by fresh noise of this relative size (near-copies; 0: exact copies)
-             ) -> torch.Tensor:
-    "Random unit anchors, [M, A, d] (seeded; `copies`: one codebook repeated M times, `jitter` apart)."
-    if jitter and not copies: raise ValueError(f"codebooks: jitter {jitter} moves copies apart, but copies=False; pass copies=True or jitter=0")
-    g = torch.Generator().manual_seed(seed)
-    a = F.normalize(torch.randn(1 if copies else books, per_book, dim, generator=g), dim=-1).expand(books, -1, -1)
-    if jitter: a = F.normalize(a + jitter * torch.randn(a.shape, generator=g) / math.sqrt(dim), dim=-1)
-    return a.contiguous()
-
-def address(probe: str, # named by the errors
-            x: torch.Tensor, # [n, d] keys
-            books: torch.Tensor, # [M, A, d] anchors
-            tau: float = BATTERY_TAU, # routing temperature
-            router: str = "sinh" # "sinh" (the signed address, routers.sinh_route) or "softmax" (the standard rule on the same cosines)
-           ) -> torch.Tensor:
-    "Each codebook's address of each key, [n, M, A]: the one router applied codebook by codebook."
-    if x.ndim != 2 or x.shape[0] == 0: raise ValueError(f"{probe}: the keys must be a non-empty [n, d] tensor, got shape {tuple(x.shape)}")
-    if books.ndim != 3 or books.shape[0] == 0 or books.shape[1] == 0:
-        raise ValueError(f"{probe}: the store is empty (codebooks of shape {tuple(books.shape)}): give at least one codebook of one anchor")
-    check_finite(probe, keys=x, anchors=books)
-    w = torch.stack([ROUTERS[router](x, b, tau) for b in books], 1)      # [n, M, A]
-    check_finite(probe, address=w)
-    return w
-
-def write(w: torch.Tensor, # [n, M, A] addresses of the written items
-          v: torch.Tensor # [n, dv] their values
-         ) -> torch.Tensor:
-    "The cells after every item writes its value through its address: C[m, a] = sum_i w_i[m, a] v_i, [M, A, dv]."
-    return torch.einsum("nma,nv->mav", w, v)
-
-def read(w: torch.Tensor, # [n, M, A] addresses of the queries
-         cells: torch.Tensor, # [M, A, dv]
-         blend: Optional[torch.Tensor] = None # [n, M] a weight for each codebook's read (None: the plain sum)
-        ) -> torch.Tensor:
-    "Each query's read, sum_m blend_m (w[m] @ C[m]), [n, dv]."
-    per = torch.einsum("nma,mav->nmv", w, cells)                          # [n, M, dv] each codebook's read
-    return per.sum(1) if blend is None else (per * blend.unsqueeze(-1)).sum(1)
-
-def top1(reads: torch.Tensor, # [n, dv] the read of query i
-         values: torch.Tensor # [n, dv] the stored values (row i is query i's)
-        ) -> float:
-    "Fraction of queries whose read is closest (cosine) to their own value among all stored values."
-    sim = F.normalize(reads, dim=-1) @ F.normalize(values, dim=-1).T
-    return float((sim.argmax(-1) == torch.arange(len(values))).float().mean())
-
-def items(n: int, dim: int, value_dim: int, noise: float, seed: int):
-    "n stored items (unit keys, unit values) and held-out queries: each key with fresh noise of relative size `noise`."
-    g = torch.Generator().manual_seed(seed + 1000)
-    k, v = F.normalize(torch.randn(n, dim, generator=g), dim=-1), F.normalize(torch.randn(n, value_dim, generator=g), dim=-1)
-    q = F.normalize(k + noise * torch.randn(n, dim, generator=g) / math.sqrt(dim), dim=-1)
-    return k, v, q
-
-def two_seeds(fn: Callable, # seed -> {name: number}
-              seed: int = 0, other: int = 100 # the second seed is seed + other
-             ) -> dict:
-    "Run `fn` at two seeds: {'mean': per-name mean of the two, 'floor': the largest two-seed disagreement (the seed-noise floor), 'gaps': each name's}."
-    a, b = fn(seed), fn(seed + other)
-    gaps = {k: abs(a[k] - b[k]) for k in a}
-    return {"mean": {k: (a[k] + b[k]) / 2 for k in a}, "floor": max(gaps.values()), "gaps": gaps}
-
-@dataclasses.dataclass
-class Verdict:
-    "A probe's outcome: its numbers, the bar declared before they were measured, and whether they clear it."
-    probe: str
-    numbers: dict                  # what was measured
-    bar: str                       # the pass rule, stated before the run
-    passed: bool
-    control: dict                  # the control's numbers: a separate measurement (CONTROLS), never the probe's numbers relabelled
-    control_passed: bool           # the same rule applied to the control: it must be False before the verdict is cited (and can be True: tests/test_splat.py)
-    published: str                 # the article's figure
-    tau: Optional[float] = None    # the address temperature the numbers were measured at
-    def __repr__(self):
-        return (f"{self.probe}: {'PASS' if self.passed else 'FAIL'} ({self.bar}){'' if self.tau is None else f' at tau {self.tau:g}'}; "
-                f"control {'passes' if self.control_passed else 'fails'} the same rule; published: {self.published}")
+__all__ = ['PUBLISHED', 'CLAIMS', 'CONTROLS', 'PRODUCT_CODE_PUBLISHED', 'BLEND_PUBLISHED', 'TAU_BOUND', 'TRAINABILITY_FLOOR',
+           'TRAINABILITY_OTHER', 'run_probe', 'tau_sweep', 'probe_product_code', 'product_code_bar',
+           'product_code_rule', 'opinion_similarity', 'probe_differentiation', 'differentiation_rule', 'compose_reads',
+           'probe_blend_select', 'blend_rule', 'blend_control', 'key_view', 'probe_partitions', 'storage_rule',
+           'resolution_rule', 'probe_locality', 'locality_rule', 'address_entropy', 'matched_tau',
+           'probe_signed_softmax', 'signed_rule', 'signed_control', 'block_readback', 'student_kind',
+           'trainability_recipe', 'probe_trainability', 'trainability_rule', 'trainability_control', 'print_battery',
+           'battery_results']
 
 # %% ../nbs/10_splat.ipynb #b63f02c7
 PUBLISHED = {   # the article's figures (section 7 of the program's week-two write-up), printed beside each verdict

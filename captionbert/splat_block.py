@@ -19,7 +19,8 @@ from torch.utils._pytree import tree_leaves
 
 from .routers import sinh_route
 from .core import Presets
-from .encoder import ATTENTION_KINDS, CaptionEncoder, EncoderConfig, NoPositions, attention_kind, register_attention
+from .encoder import ATTENTION_KINDS, CaptionEncoder, EncoderConfig, attention_kind, register_attention
+from .positions import NoPositions
 from .data import collate, sorted_batches
 from .stats import band_verdict
 from .loop import TrainConfig

@@ -150,7 +150,8 @@ def test_retrieval_label_control_can_keep_its_score():
 def test_rotary_lookup_probe_control_can_read_the_records():
     "The probe reports what a head reads: a planted head that attends exactly to each repeated word's record reads 1.0 (a control head that did so would be reported so); an untrained binding head reads low."
     from captionbert.data import load_tokenizer
-    from captionbert.encoder import CaptionEncoder, EncoderConfig, pointer_targets, wordpiece_kinds
+    from captionbert.encoder import CaptionEncoder, EncoderConfig
+    from captionbert.positions import pointer_targets, wordpiece_kinds
     from captionbert.rotary import lookup_probe
     tok = load_tokenizer()
     caps = ["a dog chases a dog in the park", "a man and a woman and a child", "two birds sit on a wire", "a snowboarder and a snowboarder ."]

@@ -124,7 +124,7 @@ def test_run_list_parameters_as_papermill_passes_them():
 
 
 def _pointer_targets_by_loop(input_ids, kind, token_mask):
-    "The per-word Python reading of encoder.pointer_targets (its first implementation): the reference the vectorized one must equal."
+    "The per-word Python reading of positions.pointer_targets (its first implementation): the reference the vectorized one must equal."
     out = torch.full(input_ids.shape, -1, dtype=torch.long)
     ids, kd, tm = input_ids.tolist(), kind.tolist(), token_mask.tolist()
     for b in range(len(ids)):
@@ -142,7 +142,7 @@ def _pointer_targets_by_loop(input_ids, kind, token_mask):
 def test_pointer_targets_equal_the_per_word_loop():
     "Random batches over a small vocabulary (many repeats, multi-piece words, '##' after specials and padding, holes in the mask, empty rows)."
     from captionbert.data import load_tokenizer
-    from captionbert.encoder import pointer_targets, wordpiece_kinds
+    from captionbert.positions import pointer_targets, wordpiece_kinds
     g = torch.Generator().manual_seed(0)
     multi = 0
     for trial in range(300):

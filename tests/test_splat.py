@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from captionbert.encoder import ATTENTION_KINDS, CaptionEncoder, EncoderConfig, NoPositions, attention_kind
+from captionbert.encoder import ATTENTION_KINDS, CaptionEncoder, EncoderConfig, attention_kind
+from captionbert.positions import NoPositions
 from captionbert.splat_block import SplatAttention   # importing the block's module registers the "splat" attention kind
 
 
@@ -97,7 +98,7 @@ def test_the_screens_arms_differ_only_in_attention():
 def test_the_sizes_come_from_core_presets():
     "Both configs of 10 dispatch through core.Presets: an unknown name is refused listing the names, and the battery's sizes keep the values they had as a dict."
     from captionbert.core import Presets
-    from captionbert.splat import BatteryConfig, battery_size
+    from captionbert.splat_store import BatteryConfig, battery_size
     from captionbert.splat_block import ScreenConfig
     assert issubclass(ScreenConfig, Presets) and issubclass(BatteryConfig, Presets)
     with pytest.raises(ValueError, match=r"unknown screen size 'v2': one of \['smoke', 'cpu'\]"): ScreenConfig.preset("v2")
