@@ -5,12 +5,12 @@
 
 # %% auto #0
 __all__ = ['SIZE_TO_ARCH', 'FFN_KINDS', 'PACK_FFN_ABOVE', 'ATTENTION_KINDS', 'ATTENTION_OPTIONS', 'PART_MODULES', 'EncoderConfig',
-           'Attention', 'DenseFFN', 'routing_spec', 'read_routing_spec', 'AnchoredFFN', 'Block', 'TokenLocal',
-           'register_attention', 'attention_kind', 'encoder_parts', 'import_parts', 'EncoderOutput', 'CaptionEncoder',
-           'set_residual_hook', 'n_params', 'own_storage']
+           'Attention', 'jagged_attention', 'DenseFFN', 'routing_spec', 'read_routing_spec', 'AnchoredFFN', 'Block',
+           'TokenLocal', 'register_attention', 'attention_kind', 'encoder_parts', 'import_parts', 'EncoderOutput',
+           'CaptionEncoder', 'set_residual_hook', 'n_params', 'own_storage']
 
 # %% ../nbs/01b_encoder.ipynb #915b9118
-import dataclasses, importlib, math
+import dataclasses, importlib, math, warnings
 from typing import Optional
 
 import torch
@@ -87,15 +87,22 @@ class EncoderConfig:
 # %% ../nbs/01b_encoder.ipynb #6720d3b4
 class Attention(nn.Module):
     "Multi-head self-attention with a fused QKV projection and SDPA."
+    unpads = True                                                       # takes the unpadded path (`token_mask`): jagged_attention
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
         self.heads, self.head_dim, self.dropout = cfg.heads, cfg.hidden // cfg.heads, cfg.dropout
         self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
         self.out = nn.Linear(cfg.hidden, cfg.hidden)
-    def forward(self, x, mask, positions, need_weights: bool = False):
+    def forward(self, x, mask, positions, need_weights: bool = False,
+                token_mask: Optional[torch.Tensor] = None # [B, L] bool, given only on the unpadded path (every row with a real token)
+               ):
         B, L, D = x.shape
         q, k, v = self.qkv(x).view(B, L, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)   # 3 x [B, H, L, hd]
         q, k = positions.rotate(q, k)
+        if token_mask is not None and mask is not None and not need_weights:   # unpadded: each row's real tokens only, padded positions 0
+            o, idx = jagged_attention(q, k, v, token_mask, self.dropout if self.training else 0.0)   # [T, D] and the flat positions
+            o = self.out(o)                                             # [T, D]: the projection on the real tokens only
+            return o.new_zeros(B * L, D).index_copy(0, idx, o).view(B, L, D), None
         if need_weights:                                                # explicit path, to return the weights
             s = (q @ k.transpose(-1, -2)) / math.sqrt(self.head_dim)   # [B, H, L, L]
             if mask is not None: s = s.masked_fill(~mask, float("-inf"))
@@ -104,6 +111,20 @@ class Attention(nn.Module):
             w = None
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
         return self.out(o.transpose(1, 2).reshape(B, L, D)), w
+
+def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, # [B, H, L, hd] each, rotated
+                     token_mask: torch.Tensor, # [B, L] bool: every row has at least one real token
+                     dropout_p: float = 0.0
+                    ) -> tuple:
+    "SDPA over each row's real tokens only, as nested jagged tensors (ModernBERT's unpadding: varlen kernels on CUDA): ([T, H*hd], [T] flat positions)."
+    B, H, L, hd = q.shape
+    lengths = token_mask.sum(1)                                         # [B]
+    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])      # [B+1]: row b's tokens are values[offsets[b]:offsets[b+1]]
+    def pack(t): return torch.nested.nested_tensor_from_jagged(t.transpose(1, 2)[token_mask], offsets).transpose(1, 2)   # [B, H, j, hd]
+    with warnings.catch_warnings():                                     # the CPU math path builds a strided nested tensor and says so
+        warnings.filterwarnings("ignore", message=".*nested tensors is in prototype stage.*")
+        o = F.scaled_dot_product_attention(pack(q), pack(k), pack(v), dropout_p=dropout_p)
+    return o.transpose(1, 2).values().reshape(-1, H * hd), token_mask.flatten().nonzero().squeeze(1)
 
 class DenseFFN(nn.Module):
     "The standard feed-forward block: Linear -> GELU -> Linear."
@@ -231,9 +252,11 @@ class Block(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.routing = None                                               # [B, L, K] routing weights of the last recorded forward
     def forward(self, x, mask, positions, token_mask, need_weights: bool = False,
-                pack_ffn: bool = True # with padding: the FFN on the real tokens only (the encoder decides, PACK_FFN_ABOVE); a routed FFN always packs
+                pack_ffn: bool = True, # with padding: the FFN on the real tokens only (the encoder decides, PACK_FFN_ABOVE); a routed FFN always packs
+                unpad: bool = False # with padding: attention over each row's real tokens only (jagged_attention), where the kind takes it
                ):
-        a, w = self.attn(self.ln1(x), mask, positions, need_weights)
+        if unpad and getattr(self.attn, "unpads", False): a, w = self.attn(self.ln1(x), mask, positions, need_weights, token_mask)
+        else: a, w = self.attn(self.ln1(x), mask, positions, need_weights)
         x = x + self.drop(a)
         if mask is None or not (pack_ffn or getattr(self.ffn, "routed", False)):   # every position: padded ones are computed, never read
             x = x + self.drop(self.ffn(self.ln2(x), token_mask))
@@ -250,6 +273,7 @@ class Block(nn.Module):
 # %% ../nbs/01b_encoder.ipynb #ad81e987
 class TokenLocal(Attention):
     "Attention that mixes no tokens (a control): each token reads its own value, through SDPA's very projections (the same parameters)."
+    unpads = False                                                      # nothing to unpad: no token reads another
     def forward(self, x, mask, positions, need_weights: bool = False):
         B, L, D = x.shape
         v = self.qkv(x).view(B, L, 3, D)[:, :, 2]                       # [B, L, D] the value part; the query and key parts are never read
@@ -322,6 +346,7 @@ class CaptionEncoder(nn.Module):
         self.head = nn.Sequential(nn.Linear(cfg.hidden, cfg.head_hidden), nn.GELU(), nn.Linear(cfg.head_hidden, cfg.out_dim))
         self.gradient_checkpointing = cfg.gradient_checkpointing
         self.pack_ffn_above = PACK_FFN_ABOVE                            # how the FFN meets padding (a speed choice, not the model's: 05a_perf --ffn-packing)
+        self.unpad_attention = False                                    # attention over real tokens only, jagged (a speed choice for CUDA's varlen kernels)
         object.__setattr__(self, "residual_hook", None)   # not a submodule: adapters stay out of the backbone's weights
         self.apply(self._init)
         for i, b in enumerate(self.blocks):                 # a routed FFN is born as its own null: asserted here, at construction
@@ -390,16 +415,20 @@ class CaptionEncoder(nn.Module):
         if n_real == token_mask.numel(): mask = None                    # no padding: the fast path
         else: mask = (token_mask | empty[:, None]).view(input_ids.shape[0], 1, 1, -1)   # [B, 1, 1, L]
         pack = n_real < (1 - self.pack_ffn_above) * token_mask.numel()  # heavy padding: the FFN on the real tokens only
+        ckpt = self.gradient_checkpointing and self.training and not output_attentions
+        # unpadded attention where there is padding; the padded path for an empty row, attention weights, or checkpointing (whose saved-tensor
+        # hooks read sizes a nested tensor does not have: torch 2.13)
+        unpad = self.unpad_attention and mask is not None and not output_attentions and not ckpt and not bool(empty.any())
         if hasattr(self.positions, "prepare"): self.positions.prepare(input_ids, token_mask)   # schemes that read the tokens (binding)
         x = self.drop(self.emb_norm(self.positions.embed(self.tokens(input_ids))))
         hidden, attns, routing, flags = [x] if output_hidden_states else None, [] if output_attentions else None, [], []
         for block in self.blocks:
             if getattr(block.ffn, "routed", False): block.ffn.record = record_routing
         for i, block in enumerate(self.blocks):
-            if self.gradient_checkpointing and self.training and not output_attentions:
+            if ckpt:
                 x, w = checkpoint(block, x, mask, self.positions, token_mask, False, pack, use_reentrant=False)   # the recompute takes the same path
             else:
-                x, w = block(x, mask, self.positions, token_mask, output_attentions, pack)
+                x, w = block(x, mask, self.positions, token_mask, output_attentions, pack, unpad)
             if self.residual_hook is not None: x = self.residual_hook(i, x, token_mask)   # e.g. adapter arms
             if output_hidden_states: hidden.append(x)
             if output_attentions: attns.append(w)

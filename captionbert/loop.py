@@ -70,6 +70,7 @@ class TrainConfig:
     accept_rows: Optional[int] = None    # the rows counted in the captions that this run accepts where they differ from the declared count (--accept-rows; corpus.check_corpus_rows)
     chunk_rows: Optional[int] = None     # rows one forward+backward takes (None: a process's whole share); the gradient stays the batch's (TrainStep._chunked), so a resume may change it
     compile: Optional[str] = None        # None: eager; else a torch.compile backend for the model ("inductor": fused kernels, needs a compiler; "aot_eager": the capture alone); a resume may change it
+    unpad_attention: bool = False        # a padded batch's attention over real tokens only (01b's jagged_attention: CUDA's varlen kernels); a resume may change it
 
     PRESETS = ("smoke", "cpu", "published", "v2", "v2b")   # what `preset` accepts: the size names, then the named recipes
     ALIASES = {"published": "v2"}                           # a size name -> the recipe it means here
@@ -365,7 +366,7 @@ class NothingToTrain(GuardError):
 
 RESUME_LOG = "resumes.jsonl"                                   # one line per resume of a run directory
 WHERE_KEYS = ("device", "world_size", "targets", "code_version")  # where a run happens: may change on resume (logged)
-MEMORY_KEYS = ("train.chunk_rows", "train.compile", "encoder.gradient_checkpointing")   # how a step runs on the card it meets, not what it computes: may change on resume (logged)
+MEMORY_KEYS = ("train.chunk_rows", "train.compile", "train.unpad_attention", "encoder.gradient_checkpointing")   # how a step runs on the card it meets, not what it computes: may change on resume (logged)
 
 def _flat(d, prefix: str = "") -> dict:
     "A nested JSON dict as {dotted.key: leaf value}."
@@ -455,6 +456,8 @@ def _train_held(model, batches, loss_fn, cfg, run, corpus, evaluate_fn, stop_at,
                 allow_changes, rank, world) -> TrainResult:
     "`train`'s body, run while this process holds the run directory."
     model.to(device)
+    if hasattr(unwrap_model(model), "unpad_attention"): unwrap_model(model).unpad_attention = cfg.unpad_attention   # a CaptionEncoder's speed path
+    elif cfg.unpad_attention: raise ValueError(f"unpad_attention is a CaptionEncoder's path; this model ({type(unwrap_model(model)).__name__}) has none")
     if cfg.compile:                  # in place (nn.Module.compile): the state dict's names, the checkpoints and the export are the eager model's
         unwrap_model(model).compile(backend=cfg.compile, dynamic=None)
     stepper = TrainStep(model, cfg, device, precision)         # the step (perf times this same object)

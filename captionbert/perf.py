@@ -396,9 +396,10 @@ def gpu_check(device=None, small: bool = False, # small: a tiny encoder and teac
     peak = peak_tflops or (device_peak_tflops(name) if device.type == "cuda" else None)
     mean_len = float(np.mean([b.input_ids.shape[1] for b in batches]))
     step_flops = model_flops_per_step(cfg, batches[warmup:]) / len(batches[warmup:])   # a timed step's FLOPs, each batch at its own padded length
-    def run(label, chunk_rows=None, ckpt=False):
+    def run(label, chunk_rows=None, ckpt=False, unpad=False):
         set_seed(seed)
         model = CaptionEncoder(dataclasses.replace(cfg, gradient_checkpointing=ckpt)).to(device).train()
+        model.unpad_attention = unpad                    # attention over real tokens only (encoder.jagged_attention): CUDA's varlen kernels
         try: r = _timed_steps(model, dataclasses.replace(tc0, chunk_rows=chunk_rows), batches, targets, device, precision, warmup)
         except torch.cuda.OutOfMemoryError as e:         # torch.cuda's name: torch.OutOfMemoryError is torch >= 2.5 only
             r = {"out_of_memory": str(e).splitlines()[0][:300]}
@@ -407,10 +408,11 @@ def gpu_check(device=None, small: bool = False, # small: a tiny encoder and teac
             if device.type == "cuda": torch.cuda.empty_cache()
         if "tokens_per_s" in r:
             r["mfu"] = round(step_flops / r["step_s"] / (peak * 1e12), 4) if peak else None   # padded tokens: the FLOPs the device ran
-        return {"label": label, "chunk_rows": chunk_rows, "gradient_checkpointing": ckpt, **r}
+        return {"label": label, "chunk_rows": chunk_rows, "gradient_checkpointing": ckpt, "unpad_attention": unpad, **r}
     fit = fit_memory(cfg, batch_size, card, tc0.max_tokens, precision) if card else None
     chunk = (fit["chunk_rows"] if fit and fit["chunk_rows"] else max(1, batch_size // 4))   # on a card that holds the whole batch: quarters
-    runs = [run("whole batch"), run(f"chunks of {chunk}", chunk_rows=chunk), run("gradient checkpointing", ckpt=True)]
+    runs = [run("whole batch"), run(f"chunks of {chunk}", chunk_rows=chunk), run("gradient checkpointing", ckpt=True),
+            run("unpadded attention", unpad=True)]
     # the teacher: BERT-base's shape (12 x 768, 110M), random weights, mean-pooled, inference_mode, length-sorted batches of 512
     tcfg = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128) if small else BertConfig()
     teacher = BertModel(tcfg, add_pooling_layer=False).to(device).eval()
@@ -427,7 +429,7 @@ def gpu_check(device=None, small: bool = False, # small: a tiny encoder and teac
     longest = max(b.input_ids.shape[1] for b in batches)                     # the estimates at the tokens the timed batches pad to, not the ceiling
     est = train_memory_estimate(cfg, batch_size, longest, precision)
     est_chunk = train_memory_estimate(cfg, chunk, longest, precision)
-    best = next((r for r in runs if "step_s" in r and r["label"] != "gradient checkpointing"), None) or next((r for r in runs if "step_s" in r), None)
+    best = next((r for r in runs if "step_s" in r and r["label"] not in ("gradient checkpointing", "unpadded attention")), None) or next((r for r in runs if "step_s" in r), None)
     proj = {k: {"steps": s, "hours": round(s * best["step_s"] / 3600, 2) if best else None} for k, s in (("v2", TrainConfig.v2().max_steps), ("v2b", TrainConfig.v2b().max_steps))}
     return {"device": name, "card_gb": round(card, 1) if card else None, "precision": precision, "small": small, "torch": torch.__version__,
             "encoder": cfg.name, "params": _meta_params(cfg), "batch_size": batch_size, "steps_timed": steps, "warmup": warmup,

@@ -438,12 +438,13 @@ def plan_run(preset: str = "auto", # as for run_consensus_training
 def accepting_config(preset: str, # as for run_consensus_training
                      accept_rows: Optional[int], # the rows counted that the run accepts (the row check names them); None: none
                      chunk_rows: Optional[int] = None, # rows a forward+backward takes (TrainConfig.chunk_rows); None: the whole share
-                     compile: Optional[str] = None # a torch.compile backend (TrainConfig.compile); None: eager
+                     compile: Optional[str] = None, # a torch.compile backend (TrainConfig.compile); None: eager
+                     unpad_attention: bool = False # attention over real tokens only (TrainConfig.unpad_attention)
                     ) -> Optional[TrainConfig]:
-    "The preset's TrainConfig accepting `accept_rows`, stepping in `chunk_rows`, compiled with `compile` (a train_config for run_consensus_training and plan_run), or None when none is set."
-    if accept_rows is None and chunk_rows is None and compile is None: return None
+    "The preset's TrainConfig accepting `accept_rows`, stepping in `chunk_rows`, compiled with `compile`, unpadded where asked (a train_config for run_consensus_training and plan_run), or None when none is set."
+    if accept_rows is None and chunk_rows is None and compile is None and not unpad_attention: return None
     return TrainConfig.preset(TrainConfig.canonical(resolve_preset(preset, TrainConfig.PRESETS, published="v2", section="05_train")),
-                              accept_rows=accept_rows, chunk_rows=chunk_rows, compile=compile)
+                              accept_rows=accept_rows, chunk_rows=chunk_rows, compile=compile, unpad_attention=unpad_attention)
 
 def with_checkpointing(student # a student as student_config takes it (None, a size or dims text, a dict, a JSON object's text)
                       ):

@@ -229,6 +229,8 @@ def main(argv: Optional[Sequence[str]] = None):
                     "gradient checkpointing only where no chunk fits); default: read from the CUDA device")
     ap.add_argument("--compile", default=None, metavar="BACKEND", help="torch.compile the model with this backend (inductor on a GPU; "
                     "aot_eager captures without a compiler); the weights, checkpoints and export are the eager model's")
+    ap.add_argument("--unpad-attention", action="store_true", help="a padded batch's attention over real tokens only (nested jagged "
+                    "tensors: CUDA's varlen kernels; slower on a CPU); the same numbers to rounding, the run's name does not change")
     ap.add_argument("--gradient-checkpointing", action="store_true", help="recompute each block in the backward (the student's "
                     "gradient_checkpointing; the run's name does not change)")
     a = ap.parse_args(argv)
@@ -242,9 +244,9 @@ def main(argv: Optional[Sequence[str]] = None):
     if fit and not a.dry_run and int(os.environ.get("RANK", "0")) == 0:
         print(f"memory: {fit['gpu_memory_gb']:.1f} GB card -> chunk_rows {chunk}, gradient checkpointing {fit['gradient_checkpointing']} "
               f"(estimate {fit['estimate']['total_gb']} GB of a {fit['budget_gb']} GB budget)")
-    tc = accepting_config(a.preset, a.accept_rows, chunk, a.compile)
+    tc = accepting_config(a.preset, a.accept_rows, chunk, a.compile, a.unpad_attention)
     if a.dry_run:            # the plan makes the same card_fit itself (and shows it): it gets the caller's chunks, not the choice
-        return emit_plan(plan_run(a.preset, a.seed, a.roster, a.max_steps, world, train_config=accepting_config(a.preset, a.accept_rows, a.chunk_rows, a.compile),
+        return emit_plan(plan_run(a.preset, a.seed, a.roster, a.max_steps, world, train_config=accepting_config(a.preset, a.accept_rows, a.chunk_rows, a.compile, a.unpad_attention),
                                   gpu_memory_gb=a.gpu_memory_gb, **own))
     device = a.device
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():

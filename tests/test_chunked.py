@@ -170,6 +170,30 @@ def test_a_compiled_run_trains_the_eager_weights(tmp_path):
     with pytest.raises(ValueError, match="not a torch.compile backend"): TrainConfig.smoke(compile="inductr")
 
 
+def test_an_unpadded_run_trains_the_padded_weights(tmp_path):
+    "TrainConfig.unpad_attention reaches the model (the jagged path is taken in training) and trains the weights the padded path does, to fp32 rounding; a model without the path refuses the flag."
+    from unittest import mock
+    import captionbert.encoder as encoder_module
+    corpus, targets = _consensus(torch.float32)
+    out, calls = {}, {}
+    for unpad in (False, True):
+        set_seed(0)
+        model = CaptionEncoder(EncoderConfig.tiny(dropout=0.0))
+        cfg = TrainConfig.smoke(max_steps=4, batch_size=16, warmup_steps=1, eval_every=1000, ckpt_every_steps=1000, unpad_attention=unpad)
+        spy = mock.MagicMock(wraps=encoder_module.jagged_attention)
+        with mock.patch.object(encoder_module, "jagged_attention", spy):
+            train(model, BatchPlan(corpus, np.arange(200), cfg.batch_size, seed=0), ConsensusLoss(targets), cfg, RunDir(tmp_path / str(unpad)),
+                  {"corpus": "scene-grammar-3"}, resume=False, device="cpu", progress=False)
+        out[unpad], calls[unpad] = {k: v.detach().clone() for k, v in model.state_dict().items()}, spy.call_count
+        assert model.unpad_attention is unpad
+    assert calls[False] == 0 and calls[True] >= 4 * 2, calls           # the flag took the path (4 steps x 2 blocks at least), and only with it
+    assert _apart(out[False], out[True]) < 1e-5, _apart(out[False], out[True])
+    assert _apart(out[False], CaptionEncoder(EncoderConfig.tiny()).state_dict()) > 1e-4, "nothing trained"
+    with pytest.raises(ValueError, match="unpad_attention is a CaptionEncoder's path"):
+        train(torch.nn.Linear(2, 2), BatchPlan(corpus, np.arange(200), 16, seed=0), ConsensusLoss(targets), TrainConfig.smoke(unpad_attention=True),
+              RunDir(tmp_path / "linear"), {"corpus": "scene-grammar-3"}, resume=False, device="cpu", progress=False)
+
+
 def _ddp_share_grads(rank, world, chunk_rows, out):
     "In a gloo group: each process's share of one global batch through DDP and TrainStep.backward in chunks; rank 0 saves the all-reduced gradients."
     corpus, targets = _consensus(torch.float64)
