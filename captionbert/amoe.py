@@ -18,7 +18,7 @@ from .core import GuardError, Presets, sha256_bytes, to_jsonable
 from .data import collate, runs_dir, sorted_batches
 from .pairs import FlickrImages, caption_pairs, flickr_unavailable, load_flickr_images
 from .encoder import CaptionEncoder, EncoderConfig, n_params
-from .loop import TrainConfig, config_changes
+from .loop import TrainConfig, recipe_changes
 from .recipe import plan_run, resolve_encoder_config, train_memory_estimate
 from .adapters import AmoeModel, Arm, HUB_PAIRS, grammar_pairs, hub_pairs
 
@@ -197,7 +197,7 @@ def check_backbone_run(run_dir: str | Path, # a 05_train run directory
     got, want = json.loads((d / "config.json").read_text()), backbone_expectation(preset)
     diffs = [f"preset {got.get('preset')!r} != {want['preset']!r}"] if got.get("preset") != want["preset"] else []
     for k in ("encoder", "train"):
-        diffs += [f"{k}.{f}: {a!r} (run) != {b!r} (plan)" for f, (a, b) in config_changes(got.get(k) or {}, want[k]).items()]
+        diffs += [f"{f}: {a!r} (run) != {b!r} (plan)" for f, (a, b) in recipe_changes({k: got.get(k) or {}}, {k: want[k]}).items()]
     tpath = Path(got.get("targets", "")) / "targets.json"
     if not tpath.is_file(): diffs.append(f"its targets {tpath} are not here, so the frame it trained in cannot be checked")
     else:

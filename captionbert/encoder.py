@@ -5,9 +5,9 @@
 
 # %% auto #0
 __all__ = ['SIZE_TO_ARCH', 'FFN_KINDS', 'PACK_FFN_ABOVE', 'ATTENTION_KINDS', 'ATTENTION_OPTIONS', 'PART_MODULES', 'EncoderConfig',
-           'Attention', 'jagged_attention', 'DenseFFN', 'routing_spec', 'read_routing_spec', 'AnchoredFFN', 'Block',
-           'TokenLocal', 'register_attention', 'attention_kind', 'encoder_parts', 'import_parts', 'EncoderOutput',
-           'CaptionEncoder', 'set_residual_hook', 'n_params', 'own_storage']
+           'Attention', 'unpad_index', 'jagged_attention', 'DenseFFN', 'routing_spec', 'read_routing_spec',
+           'AnchoredFFN', 'Block', 'TokenLocal', 'register_attention', 'attention_kind', 'encoder_parts',
+           'import_parts', 'EncoderOutput', 'CaptionEncoder', 'set_residual_hook', 'n_params', 'own_storage']
 
 # %% ../nbs/01b_encoder.ipynb #915b9118
 import dataclasses, importlib, math, warnings
@@ -87,22 +87,21 @@ class EncoderConfig:
 # %% ../nbs/01b_encoder.ipynb #6720d3b4
 class Attention(nn.Module):
     "Multi-head self-attention with a fused QKV projection and SDPA."
-    unpads = True                                                       # takes the unpadded path (`token_mask`): jagged_attention
+    unpads = True                                                       # takes the unpadded path (`unpadded`): jagged_attention
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
         self.heads, self.head_dim, self.dropout = cfg.heads, cfg.hidden // cfg.heads, cfg.dropout
         self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
         self.out = nn.Linear(cfg.hidden, cfg.hidden)
     def forward(self, x, mask, positions, need_weights: bool = False,
-                token_mask: Optional[torch.Tensor] = None # [B, L] bool, given only on the unpadded path (every row with a real token)
+                unpadded: Optional[tuple] = None # unpad_index(token_mask), given only on the unpadded path
                ):
         B, L, D = x.shape
         q, k, v = self.qkv(x).view(B, L, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)   # 3 x [B, H, L, hd]
         q, k = positions.rotate(q, k)
-        if token_mask is not None and mask is not None and not need_weights:   # unpadded: each row's real tokens only, padded positions 0
-            o, idx = jagged_attention(q, k, v, token_mask, self.dropout if self.training else 0.0)   # [T, D] and the flat positions
-            o = self.out(o)                                             # [T, D]: the projection on the real tokens only
-            return o.new_zeros(B * L, D).index_copy(0, idx, o).view(B, L, D), None
+        if unpadded is not None and not need_weights:                   # unpadded: each row's real tokens only, padded positions 0
+            o = self.out(jagged_attention(q, k, v, unpadded, self.dropout if self.training else 0.0))   # [T, D]: the real tokens only
+            return o.new_zeros(B * L, D).index_copy(0, unpadded[0], o).view(B, L, D), None
         if need_weights:                                                # explicit path, to return the weights
             s = (q @ k.transpose(-1, -2)) / math.sqrt(self.head_dim)   # [B, H, L, L]
             if mask is not None: s = s.masked_fill(~mask, float("-inf"))
@@ -112,19 +111,27 @@ class Attention(nn.Module):
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
         return self.out(o.transpose(1, 2).reshape(B, L, D)), w
 
-def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, # [B, H, L, hd] each, rotated
-                     token_mask: torch.Tensor, # [B, L] bool: every row has at least one real token
-                     dropout_p: float = 0.0
-                    ) -> tuple:
-    "SDPA over each row's real tokens only, as nested jagged tensors (ModernBERT's unpadding: varlen kernels on CUDA): ([T, H*hd], [T] flat positions)."
-    B, H, L, hd = q.shape
+def unpad_index(token_mask: torch.Tensor # [B, L] bool: every row has at least one real token
+               ) -> tuple:
+    "What every block's unpadded attention reads, computed once a forward (one host sync): (flat positions [T] of the real tokens, row offsets [B+1], the longest row, the shortest)."
     lengths = token_mask.sum(1)                                         # [B]
-    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])      # [B+1]: row b's tokens are values[offsets[b]:offsets[b+1]]
-    def pack(t): return torch.nested.nested_tensor_from_jagged(t.transpose(1, 2)[token_mask], offsets).transpose(1, 2)   # [B, H, j, hd]
+    longest, shortest = torch.stack([lengths.max(), lengths.min()]).tolist()
+    return token_mask.flatten().nonzero().squeeze(1), torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]), longest, shortest
+
+def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, # [B, H, L, hd] each, rotated
+                     unpadded: tuple, # unpad_index(token_mask): row b's tokens are the values offsets[b]:offsets[b+1]
+                     dropout_p: float = 0.0
+                    ) -> torch.Tensor:
+    "SDPA over each row's real tokens only, as nested jagged tensors (ModernBERT's unpadding: varlen kernels on CUDA): [T, H*hd], the real tokens in row order."
+    B, H, L, hd = q.shape
+    idx, offsets, longest, shortest = unpadded
+    def pack(t):                                                        # [B, H, L, hd] -> nested [B, H, j, hd]; no sync: the index and lengths are given
+        vals = t.transpose(1, 2).reshape(B * L, H, hd).index_select(0, idx)   # [T, H, hd]
+        return torch.nested.nested_tensor_from_jagged(vals, offsets, min_seqlen=shortest, max_seqlen=longest).transpose(1, 2)
     with warnings.catch_warnings():                                     # the CPU math path builds a strided nested tensor and says so
         warnings.filterwarnings("ignore", message=".*nested tensors is in prototype stage.*")
         o = F.scaled_dot_product_attention(pack(q), pack(k), pack(v), dropout_p=dropout_p)
-    return o.transpose(1, 2).values().reshape(-1, H * hd), token_mask.flatten().nonzero().squeeze(1)
+    return o.transpose(1, 2).values().reshape(-1, H * hd)
 
 class DenseFFN(nn.Module):
     "The standard feed-forward block: Linear -> GELU -> Linear."
@@ -253,9 +260,9 @@ class Block(nn.Module):
         self.routing = None                                               # [B, L, K] routing weights of the last recorded forward
     def forward(self, x, mask, positions, token_mask, need_weights: bool = False,
                 pack_ffn: bool = True, # with padding: the FFN on the real tokens only (the encoder decides, PACK_FFN_ABOVE); a routed FFN always packs
-                unpad: bool = False # with padding: attention over each row's real tokens only (jagged_attention), where the kind takes it
+                unpadded: Optional[tuple] = None # unpad_index(token_mask): attention over each row's real tokens only, where the kind takes it
                ):
-        if unpad and getattr(self.attn, "unpads", False): a, w = self.attn(self.ln1(x), mask, positions, need_weights, token_mask)
+        if unpadded is not None and getattr(self.attn, "unpads", False): a, w = self.attn(self.ln1(x), mask, positions, need_weights, unpadded)
         else: a, w = self.attn(self.ln1(x), mask, positions, need_weights)
         x = x + self.drop(a)
         if mask is None or not (pack_ffn or getattr(self.ffn, "routed", False)):   # every position: padded ones are computed, never read
@@ -419,6 +426,7 @@ class CaptionEncoder(nn.Module):
         # unpadded attention where there is padding; the padded path for an empty row, attention weights, or checkpointing (whose saved-tensor
         # hooks read sizes a nested tensor does not have: torch 2.13)
         unpad = self.unpad_attention and mask is not None and not output_attentions and not ckpt and not bool(empty.any())
+        unpadded = unpad_index(token_mask) if unpad else None           # once a forward: every block reads it
         if hasattr(self.positions, "prepare"): self.positions.prepare(input_ids, token_mask)   # schemes that read the tokens (binding)
         x = self.drop(self.emb_norm(self.positions.embed(self.tokens(input_ids))))
         hidden, attns, routing, flags = [x] if output_hidden_states else None, [] if output_attentions else None, [], []
@@ -428,7 +436,7 @@ class CaptionEncoder(nn.Module):
             if ckpt:
                 x, w = checkpoint(block, x, mask, self.positions, token_mask, False, pack, use_reentrant=False)   # the recompute takes the same path
             else:
-                x, w = block(x, mask, self.positions, token_mask, output_attentions, pack, unpad)
+                x, w = block(x, mask, self.positions, token_mask, output_attentions, pack, unpadded)
             if self.residual_hook is not None: x = self.residual_hook(i, x, token_mask)   # e.g. adapter arms
             if output_hidden_states: hidden.append(x)
             if output_attentions: attns.append(w)

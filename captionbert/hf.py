@@ -230,6 +230,10 @@ def carried_source(name: str # a module of FOUNDATION_PARTS
         if not ours: continue
         if (isinstance(node, ast.ImportFrom) and node.level == 1 and node.module in carried and node in tree.body   # one file: the import is its code above
                 and all(a.asname is None for a in node.names)):
+            whole = "\n".join(code.split("\n")[node.lineno - 1:node.end_lineno]).strip()
+            if whole != ast.get_source_segment(code, node):
+                raise ValueError(f"{name}, line {node.lineno}: {ast.unparse(node)!r} shares its line with other code, which dropping the line would drop: "
+                                 "give the import a line of its own")
             drop.update(range(node.lineno - 1, node.end_lineno)); continue
         raise ValueError(f"{name}, line {node.lineno}: {ast.unparse(node)!r} cannot travel in the modeling file, which carries only "
                          f"{', '.join(FOUNDATION_PARTS)} (a top-level `from .<carried> import name` is dropped; nothing else of the workbook is imported)")

@@ -32,8 +32,8 @@ from .teachers import roster_label, roster_text
 __all__ = ['COMPILE_BACKENDS', 'TokenizedCorpus', 'RESUME_LOG', 'WHERE_KEYS', 'MEMORY_KEYS', 'TrainConfig', 'summed_lr', 'lr_at',
            'BatchPlan', 'unwrap_model', 'param_groups', 'TrainStep', 'save_weights', 'latest_checkpoint',
            'load_checkpoint', 'resume_checkpoint', 'set_aside_newer', 'NothingToTrain', 'config_changes',
-           'config_defaults', 'check_resume_config', 'TrainResult', 'train', 'ConsensusLoss', 'frame_gap',
-           'frame_gap_floor', 'mimicry_line', 'ConsensusGauges']
+           'config_defaults', 'recipe_changes', 'check_resume_config', 'TrainResult', 'train', 'ConsensusLoss',
+           'frame_gap', 'frame_gap_floor', 'mimicry_line', 'ConsensusGauges']
 
 # %% ../nbs/05_loop.ipynb #c11b275e
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")   # torch.compile backends a training run may name (dynamo also lists test and minifier ones)
@@ -389,6 +389,20 @@ def config_defaults() -> dict:
                 for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
     return {"encoder": defaults(EncoderConfig), "train": defaults(TrainConfig)}
 
+def _added_at_default(k: str, was: dict, now: dict, defaults: Optional[dict] = None) -> bool:
+    "A field added after the old config was written, at the value the old code had built in (flat dotted keys)."
+    defaults = config_defaults() if defaults is None else defaults
+    head, _, name = k.rpartition(".")
+    return k not in was and k in now and name in defaults.get(head, {}) and now[k] == defaults[head][name]
+
+def recipe_changes(old: dict, # a finished run's config (JSON: its encoder and train sections, ...)
+                   new: dict, # the config a plan expects of it
+                   defaults: Optional[dict] = None # as for check_resume_config
+                  ) -> dict:
+    "config_changes less what cannot change what a run computed: a field added since it was written, at its default, and MEMORY_KEYS (how its step fit a card)."
+    was, now = _flat(old), _flat(new)
+    return {k: v for k, v in config_changes(old, new).items() if k not in MEMORY_KEYS and not _added_at_default(k, was, now, defaults)}
+
 def check_resume_config(old: dict, # the checkpoint's run config
                         new: dict, # this call's run config
                         allow_changes=(), # keys that may change ("max_steps" or "train.max_steps"), or True for any
@@ -397,11 +411,7 @@ def check_resume_config(old: dict, # the checkpoint's run config
                        ) -> dict:
     "The changes between a checkpoint's config and this call's; GuardError listing the keys unless each is allowed."
     was, now = _flat(old), _flat(new)
-    defaults = config_defaults() if defaults is None else defaults
-    def added_at_default(k):            # a field added after the checkpoint was written, at the value the old code had built in
-        head, _, name = k.rpartition(".")
-        return k not in was and k in now and name in defaults.get(head, {}) and now[k] == defaults[head][name]
-    changes = {k: v for k, v in config_changes(old, new).items() if not added_at_default(k)}
+    changes = {k: v for k, v in config_changes(old, new).items() if not _added_at_default(k, was, now, defaults)}
     def allowed(k):
         if k == "train.lr_scales" or k.startswith("train.lr_scales."): return False   # the optimizer's groups are restored as saved: never changed on resume
         return (allow_changes is True or k.split(".")[0] in WHERE_KEYS or k in MEMORY_KEYS

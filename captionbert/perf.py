@@ -18,7 +18,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from . import report as rpt
 from .core import atomic_write_json, autocast, pick_device, pick_precision, set_seed
-from .data import Batch, LengthBucketSampler, collate, load_tokenizer, padding_report, tokenize
+from .data import Batch, LengthBucketSampler, bundled_minilm_path, collate, load_tokenizer, padding_report, tokenize
+from .benchmark import TASK_NAMES, load_sts_task, minilm_encoder, sts_unavailable
+from .embed import EmbeddingStore, embed_corpus
 from .sources import default_captions
 from .encoder import PACK_FFN_ABOVE, CaptionEncoder, EncoderConfig, EncoderOutput, n_params
 from .teachers import mean_pool
@@ -29,8 +31,9 @@ from .recipe import fit_memory, train_memory_estimate
 __all__ = ['PARAM_TOLERANCE', 'STEP', 'MATMUL_OPS', 'BF16_PEAK_TFLOPS', 'PROGRAM_V2', 'LENGTH_MIX', 'BertTwin', 'check_same_size',
            'step_loss', 'summarize', 'train_step_benchmark', 'pair_step_benchmark', 'routed_step_benchmark',
            'padded_batch', 'ffn_packing_sweep', 'profile_step', 'caption_batches', 'flops_per_token',
-           'model_flops_per_step', 'activation_memory', 'device_peak_tflops', 'synthetic_lengths', 'synthetic_batch',
-           'gpu_check', 'record_ffn_packing', 'main']
+           'model_flops_per_step', 'activation_memory', 'matmul_peak', 'bert_flops_per_token', 'encode_benchmark',
+           'device_peak_tflops', 'synthetic_lengths', 'synthetic_batch', 'gpu_check', 'record_ffn_packing',
+           'speed_figures', 'main']
 
 # %% ../nbs/05a_perf.ipynb #adcdd9ae
 PARAM_TOLERANCE = 0.01  # the twin's parameter count may differ from the encoder's by at most this fraction of it
@@ -330,6 +333,61 @@ def activation_memory(preset: str = "v2", # the EncoderConfig preset measured (v
                           "expected_over_whole": round(chunk_rows / whole["rows"], 3)}
     return res
 
+# %% ../nbs/05a_perf.ipynb #ee07a9f7
+def matmul_peak(n: int = 2048, # square size: large enough to be compute-bound
+                reps: int = 5 # timed products (the best is kept)
+               ) -> dict:
+    "This machine's fp32 matmul rate, GFLOP/s: the fastest of `reps` n×n torch.matmul (2n³ FLOPs each), at torch's threads."
+    a, b = torch.randn(n, n, generator=torch.Generator().manual_seed(0)), torch.randn(n, n, generator=torch.Generator().manual_seed(1))
+    torch.matmul(a, b); best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter(); torch.matmul(a, b); best = min(best, time.perf_counter() - t0)
+    return {"gflops": round(2 * n ** 3 / best / 1e9, 1), "n": n, "threads": torch.get_num_threads()}
+
+def bert_flops_per_token(config, # a transformers BERT config (hidden_size, intermediate_size, num_hidden_layers)
+                         tokens: float # the row's length (attention's cost grows with it)
+                        ) -> float:
+    "Forward FLOPs a token of a BERT-shaped encoder, counted from its shapes: 2 × its matmul weights a layer (QKV, output, FFN) + 4 × hidden × tokens a layer (scores and weighted sum)."
+    h, f, n = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    return n * (2 * (4 * h * h + 2 * h * f) + 4 * h * tokens)
+
+def encode_benchmark(captions: Sequence[str], # the captions embedded (issue 27: 20,000 of Flickr8k)
+                     sentences: Sequence[str], # the harness's sentences (the eight STS tasks' unique sentences)
+                     batch_size: int = 64, # our rows a forward (TeacherGroup.encode's, the embed stage's default)
+                     st_batch_size: int = 32, # sentence-transformers' own default
+                     rounds: int = 2 # each side timed `rounds` times, alternating; the ratio of the medians
+                    ) -> dict:
+    "The bundled all-MiniLM-L6-v2 (mean-pooled, normalized): the embed stage (TeacherGroup through embed_corpus, shards written) and the harness's encode against SentenceTransformer.encode, same texts, same vectors; rows/s, ratios, max |diff|, and the share of this machine's matmul peak."
+    import tempfile
+    from sentence_transformers import SentenceTransformer   # deferred: heavy import (sentence-transformers, the reference)
+    captions, sentences = list(captions), list(sentences)
+    st = SentenceTransformer(str(bundled_minilm_path()), device="cpu")
+    ours = minilm_encoder(device="cpu", batch_size=batch_size)
+    name = ours.name
+    peak = matmul_peak()
+    def st_encode(texts): return st.encode(texts, batch_size=st_batch_size, convert_to_tensor=True, normalize_embeddings=True).cpu()
+    def embed_stage(texts):
+        with tempfile.TemporaryDirectory() as d:
+            embed_corpus(texts, [ours.group], d, batch_size=batch_size, progress=False)
+            return F.normalize(EmbeddingStore(d).load(name), dim=-1)    # the shards read back: the vectors the pipeline keeps
+    st_encode(captions[:256]); ours.encode(captions[:256])                # warm: first-call costs out of the timing
+    def timed(fn, texts):
+        t0 = time.perf_counter(); v = fn(texts); return time.perf_counter() - t0, v
+    out = {}
+    for what, texts, mine in (("embedding", captions, embed_stage), ("harness", sentences, ours.encode)):
+        t_ours, t_st = [], []
+        for _ in range(rounds):
+            s, v_ours = timed(mine, texts); t_ours.append(s)
+            s, v_st = timed(st_encode, texts); t_st.append(s)
+        tokens = [len(x) for x in ours.group.tokenizer(texts, truncation=True, max_length=ours.group.max_length)["input_ids"]]
+        flops = sum(bert_flops_per_token(ours.group.model.config, t) * t for t in tokens)   # the real tokens' forward: no padding counted
+        mo, ms = statistics.median(t_ours), statistics.median(t_st)
+        out[what] = {"rows": len(texts), "tokens": int(sum(tokens)), "ours_rows_per_s": round(len(texts) / mo, 1), "st_rows_per_s": round(len(texts) / ms, 1),
+                     "ratio_vs_st": round(ms / mo, 4), "ours_s": [round(x, 3) for x in t_ours], "st_s": [round(x, 3) for x in t_st],
+                     "max_abs_diff": float((v_ours - v_st).abs().max()), "peak_share": round(flops / mo / (peak["gflops"] * 1e9), 4)}
+    return {"model": name, "batch_size": batch_size, "st_batch_size": st_batch_size, "rounds": rounds, "matmul_peak": peak, **out,
+            "embedding_includes": "tokenizing, length-sorted batches, the forward, pooling, and the safetensors shards written and read back"}
+
 # %% ../nbs/05a_perf.ipynb #8add6cbe
 BF16_PEAK_TFLOPS = (("H200 NVL", 835.0), ("H100 NVL", 835.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0), ("A10", 125.0))   # dense bf16 tensor-core TFLOP/s (datasheets), by name, first match
 PROGRAM_V2 = {"hours": 5.4, "sequences_per_s": 5536, "steps": 52_548, "device": "RTX 6000 Pro (96 GB)", "source": "seeds/000 technical companion §2: v2, 52,548 steps of 2048 in 5h24m on a single RTX 6000 Pro"}
@@ -378,7 +436,7 @@ def _timed_steps(model, tc: TrainConfig, batches: Sequence, targets: torch.Tenso
 
 def gpu_check(device=None, small: bool = False, # small: a tiny encoder and teacher at batch 32 (the tests' CPU run; its figures mean nothing)
               steps: int = 5, warmup: int = 2, peak_tflops: float | None = None, seed: int = 0) -> dict:
-    "The first GPU hour's figures as one dict (see the section above): the v2 step at 2,048 rows whole / chunked / checkpointed, teacher embedding rows/s, estimate vs measured peak, projected wall times."
+    "The first GPU hour's figures as one dict (see the section above): the v2 step at 2,048 rows whole / chunked / checkpointed / unpadded, teacher embedding rows/s, estimate vs measured peak, projected wall times."
     from transformers import BertConfig, BertModel    # deferred: heavy import (transformers)
     device = pick_device(device); precision = "bf16" if device.type == "cuda" else "fp32"
     tc0 = TrainConfig.smoke() if small else TrainConfig.v2()
@@ -412,7 +470,7 @@ def gpu_check(device=None, small: bool = False, # small: a tiny encoder and teac
     fit = fit_memory(cfg, batch_size, card, tc0.max_tokens, precision) if card else None
     chunk = (fit["chunk_rows"] if fit and fit["chunk_rows"] else max(1, batch_size // 4))   # on a card that holds the whole batch: quarters
     runs = [run("whole batch"), run(f"chunks of {chunk}", chunk_rows=chunk), run("gradient checkpointing", ckpt=True),
-            run("unpadded attention", unpad=True)]
+            run("unpadded attention", chunk_rows=fit["chunk_rows"] if fit else None, unpad=True)]   # in the card's chunks where it needs them
     # the teacher: BERT-base's shape (12 x 768, 110M), random weights, mean-pooled, inference_mode, length-sorted batches of 512
     tcfg = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128) if small else BertConfig()
     teacher = BertModel(tcfg, add_pooling_layer=False).to(device).eval()
@@ -466,6 +524,29 @@ def record_ffn_packing(res: dict, # ffn_packing_sweep's result (with the CLI's "
                                 extra={k: res[k] for k in ("rows", "length", "device", "threads", "torch")})
     return rpt.write_results(record, None, keep=True, root=root)
 
+def speed_figures(preset: str = "cpu", batch_size: int = 256, n_batches: int = 12, rounds: int = 4, # the training step's, as the plain command's
+                  captions: int = 20_000, # captions embedded
+                  sentences: int = 6_000, # STS sentences the harness encodes (a seeded sample of the eight tasks' unique sentences)
+                  profile_steps: int = 3) -> dict:
+    "Every ratio issue 27 reads, measured in one run on this machine: the training step against the BertModel twin (pair median, p10-p90) with each model's matmul share, the embed stage and the harness against sentence-transformers with the matmul peak."
+    cfg = EncoderConfig.preset(preset)
+    batches, pad, src = caption_batches(batch_size, n_batches)
+    step = train_step_benchmark(cfg, batches, device="cpu", rounds=rounds)
+    prof = profile_step(cfg, batches, device="cpu", steps=profile_steps, top=5)
+    caps = list(default_captions(limit=captions, verbose=False))
+    why = sts_unavailable()
+    pool = caps if why else sorted({s for t in TASK_NAMES for d in [load_sts_task(t)] for s in (*d.sentence1, *d.sentence2)})
+    sents = [pool[i] for i in sorted(np.random.default_rng(0).permutation(len(pool))[:sentences])]
+    enc = encode_benchmark(caps, sents)
+    return {"preset": preset, "batch_size": batch_size, "captions": repr(src), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "train_step": {"ratio_vs_bert": step["train_step_ratio_vs_bert"], "pair_ratio_median": step["pair_ratio_median"],
+                           "pair_ratio_p10_p90": step["pair_ratio_p10_p90"], "rounds": rounds, "batches": len(batches),
+                           "matmul_share": {k: prof[k]["matmul_share"] for k in ("captionbert", "bert")},
+                           "top_ops_ms": {k: prof[k]["top_ops"] for k in ("captionbert", "bert")}},
+            "embedding": enc["embedding"], "harness": {**enc["harness"], "sentences": f"a seeded sample of the eight STS tasks' {len(pool):,} unique sentences"
+                                                       if not why else f"a seeded sample of the captions (no STS data: {why.splitlines()[0][:120]})"},
+            "matmul_peak": enc["matmul_peak"], "model": enc["model"]}
+
 def main(argv: Sequence[str] | None = None) -> dict:
     "Command-line entry point: print the figures as one JSON object."
     ap = argparse.ArgumentParser(prog="python -m captionbert.perf", description="Full training-step throughput vs transformers.BertModel of the same size.")
@@ -489,11 +570,17 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--gpu-check", action="store_true", help="the first GPU hour's figures (gpu_check): the v2 step at 2,048 rows whole, "
                     "chunked and checkpointed in bf16, teacher embedding rows/s, estimate vs measured peak, projected wall times; one JSON")
     ap.add_argument("--small", action="store_true", help="with --gpu-check: a tiny encoder and teacher at batch 32 (runs anywhere; figures mean nothing)")
-    ap.add_argument("--out", default=None, help="with --gpu-check: also write the JSON to this file")
+    ap.add_argument("--out", default=None, help="with --gpu-check or --all: also write the JSON to this file")
+    ap.add_argument("--all", action="store_true", help="every speed ratio in one run, one JSON line (speed_figures): the step vs the BertModel "
+                    "twin with matmul shares, the embed stage and the harness vs sentence-transformers, this machine's matmul peak")
     ap.add_argument("--rows", default="16,32,64", help="with --activation-memory: the batch sizes measured")
     ap.add_argument("--tokens", type=int, default=256, help="with --activation-memory: tokens a row")
     ap.add_argument("--chunk-rows", type=int, default=16, help="with --activation-memory: the largest batch measured again in chunks of this many rows (0: not)")
     a = ap.parse_args(argv)
+    if a.all:
+        res = speed_figures(a.preset or "cpu", a.batch_size, a.batches, a.rounds)
+        if a.out: atomic_write_json(a.out, res)
+        print(json.dumps(res)); return res
     if a.gpu_check:
         res = gpu_check(a.device, small=a.small, peak_tflops=a.peak_tflops)
         if a.out: atomic_write_json(a.out, res)

@@ -415,7 +415,8 @@ def plan_run(preset: str = "auto", # as for run_consensus_training
     student_arg = "" if encoder_config is None else f" --student {shlex.quote(student_text(encoder_config, cfg))}"
     fit = None if gpu_memory_gb is None or cfg.chunk_rows is not None else card_fit(cfg, enc, world_size, card_memory_gb(gpu_memory_gb))   # a recipe's own chunks are kept
     chunk = cfg.chunk_rows if cfg.chunk_rows is not None else (fit["chunk_rows"] if fit else None)
-    memory_arg = (f" --chunk-rows {chunk}" if chunk else "") + (" --gradient-checkpointing" if fit and fit["gradient_checkpointing"] and not enc.gradient_checkpointing else "")
+    memory_arg = ((f" --chunk-rows {chunk}" if chunk else "") + (" --gradient-checkpointing" if fit and fit["gradient_checkpointing"] and not enc.gradient_checkpointing else "")
+                  + (f" --compile {cfg.compile}" if cfg.compile else "") + (" --unpad-attention" if cfg.unpad_attention else ""))   # how the step runs: the command keeps it
     return {"preset": name, "section": "05_train", "seed": seed, "rows": rows, "corpus_rows": corpus_rows, "corpus": corpus, **split.describe(),
             "steps": cfg.max_steps, "batch_size": cfg.batch_size, "epochs": round(cfg.max_steps * cfg.batch_size / rows, 4),
             "warmup_steps": cfg.warmup_steps, "precision": precision, "device": device, "world_size": world_size,

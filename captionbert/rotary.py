@@ -30,7 +30,7 @@ from .positions import check_binding_precision, pointer_targets, wordpiece_kinds
 from .gauges import effective_rank, self_cosine
 from .perf import caption_batches, pair_step_benchmark
 from .teachers import load_teachers, roster
-from .loop import TrainConfig, TrainResult, config_changes, latest_checkpoint, load_checkpoint
+from .loop import TrainConfig, TrainResult, latest_checkpoint, load_checkpoint, recipe_changes
 from .train import ConsensusRun, run_consensus_training
 from .recipe import assert_same_rows, caption_source, plan_run, resolve_targets, run_rows
 
@@ -127,7 +127,7 @@ def completed_option_run(cfg: RotaryConfig, # the study's size
     rc = run.config
     enc = dataclasses.replace(cfg.encoder_config(option, **encoder_overrides), out_dim=rc["encoder"]["out_dim"])
     want = to_jsonable({"seed": seed, "encoder": enc, "train": tc, "data_fraction": cfg.train_fraction})
-    changed = config_changes({**{k: rc.get(k) for k in ("seed", "encoder", "train")}, "data_fraction": rc["corpus"]["data_fraction"]}, want)
+    changed = recipe_changes({**{k: rc.get(k) for k in ("seed", "encoder", "train")}, "data_fraction": rc["corpus"]["data_fraction"]}, want)
     if changed: raise GuardError(f"{run_dir} holds a complete run, but not of option {option} seed {seed} at the {cfg.name} size: {changed}. "
                                  "Give this study its own run folder, or delete that run to train it again.")
     spec = rc["targets"] if targets in ("auto", "build") else targets

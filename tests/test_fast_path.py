@@ -37,10 +37,11 @@ def _steps(fused: bool, precision: str = "fp32", n: int = 3):
     losses, grads = [], None
     for i in range(n):
         b = corpus.batch(np.arange(16 * i, 16 * (i + 1)))
-        loss, _, _ = step.backward(model, ConsensusLoss(targets), b, b, i)
-        if grads is None: grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-        step.scaler.unscale_(step.opt); torch.nn.utils.clip_grad_norm_(step.params, cfg.grad_clip)
-        step.scaler.step(step.opt); step.scaler.update(); step.opt.zero_grad(set_to_none=True); step.sched.step()
+        if grads is None:                                                  # the first step's gradient, taken by the step's own backward
+            step.backward(model, ConsensusLoss(targets), b, b, i)
+            grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+            step.opt.zero_grad(set_to_none=True)
+        loss, _, _, _ = step(model, ConsensusLoss(targets), b, b, i)        # TrainStep.__call__: backward, unscale, clip, Adam, schedule
         losses.append(float(loss.detach()))
     return model, step, losses, grads
 
@@ -56,6 +57,16 @@ def test_fused_adam_steps_the_weights_the_plain_adam_does():
     moved = max((a - b).abs().max().item() for a, b in zip(plain.state_dict().values(), CaptionEncoder(EncoderConfig.tiny()).state_dict().values()) if a.is_floating_point())
     assert moved > 1e-4, "nothing trained: the equality compares two untouched models"
     assert lp[0] == lf[0]                                                   # the first forward is before any step: identical
+
+
+def test_train_step_takes_fused_adam_on_cuda_only():
+    "TrainStep's own choice, read off the optimizer it builds: fused where the device is CUDA, the for-each Adam on a CPU (the CUDA step is built with the kernel disabled, so no GPU is needed)."
+    real_adam, asked = torch.optim.Adam, []
+    def recording(*a, **k): asked.append(k.get("fused")); return real_adam(*a, **{**k, "fused": False})
+    set_seed(0); model = CaptionEncoder(EncoderConfig.tiny())
+    with mock.patch.object(loop_module.torch.optim, "Adam", recording), mock.patch.object(loop_module.torch.amp, "GradScaler", lambda *a, **k: None):
+        TrainStep(model, TrainConfig.smoke(), torch.device("cuda"), "bf16"); TrainStep(model, TrainConfig.smoke(), CPU, "fp32")
+    assert asked == [True, False], asked
 
 
 def test_bf16_autocast_keeps_fp32_master_weights_and_the_fp32_gradient_to_its_precision():
