@@ -571,6 +571,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     "chunked and checkpointed in bf16, teacher embedding rows/s, estimate vs measured peak, projected wall times; one JSON")
     ap.add_argument("--small", action="store_true", help="with --gpu-check: a tiny encoder and teacher at batch 32 (runs anywhere; figures mean nothing)")
     ap.add_argument("--out", default=None, help="with --gpu-check or --all: also write the JSON to this file")
+    ap.add_argument("--captions", type=int, default=20_000, help="with --all: captions the embed stage embeds")
+    ap.add_argument("--sentences", type=int, default=6_000, help="with --all: STS sentences the harness encodes")
     ap.add_argument("--all", action="store_true", help="every speed ratio in one run, one JSON line (speed_figures): the step vs the BertModel "
                     "twin with matmul shares, the embed stage and the harness vs sentence-transformers, this machine's matmul peak")
     ap.add_argument("--rows", default="16,32,64", help="with --activation-memory: the batch sizes measured")
@@ -578,7 +580,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--chunk-rows", type=int, default=16, help="with --activation-memory: the largest batch measured again in chunks of this many rows (0: not)")
     a = ap.parse_args(argv)
     if a.all:
-        res = speed_figures(a.preset or "cpu", a.batch_size, a.batches, a.rounds)
+        res = speed_figures(a.preset or "cpu", a.batch_size, a.batches, a.rounds, a.captions, a.sentences, a.profile_steps)
         if a.out: atomic_write_json(a.out, res)
         print(json.dumps(res)); return res
     if a.gpu_check:

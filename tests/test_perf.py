@@ -40,3 +40,16 @@ def test_profile_command(capsys):
         assert set(p["matmul_ops"]) <= set(MATMUL_OPS), p["matmul_ops"]
         assert p["matmul_share"] == pytest.approx(p["matmul_ms"] / p["wall_ms"], abs=1e-3)
     assert res["device"] == "cpu" and res["captionbert"]["params"] == res["bert"]["params"]
+
+
+def test_all_command_prints_every_ratio_on_one_line(capsys):
+    "`--all` at the tiny preset and a few texts (its figures mean nothing): one JSON line, each ratio the record's own times, the same vectors both ways."
+    res = main(TINY + ["--rounds", "1", "--all", "--captions", "120", "--sentences", "40", "--profile-steps", "1"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and json.loads(out[0]) == res
+    assert set(res) >= {"train_step", "embedding", "harness", "matmul_peak"}
+    for k in ("captionbert", "bert"): assert 0 < res["train_step"]["matmul_share"][k] <= 1
+    for k, rows in (("embedding", 120), ("harness", 40)):
+        e = res[k]
+        assert e["rows"] == rows and e["max_abs_diff"] < 1e-5, e
+        assert e["ratio_vs_st"] == pytest.approx(statistics.median(e["st_s"]) / statistics.median(e["ours_s"]), abs=1e-3)
