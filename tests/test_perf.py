@@ -52,4 +52,4 @@ def test_all_command_prints_every_ratio_on_one_line(capsys):
     for k, rows in (("embedding", 120), ("harness", 40)):
         e = res[k]
         assert e["rows"] == rows and e["max_abs_diff"] < 1e-5, e
-        assert e["ratio_vs_st"] == pytest.approx(statistics.median(e["st_s"]) / statistics.median(e["ours_s"]), abs=1e-3)
+        assert e["ratio_vs_st"] == pytest.approx(statistics.median(e["st_s"]) / statistics.median(e["ours_s"]), rel=0.01)   # times kept to the ms
