@@ -197,7 +197,8 @@ def check_backbone_run(run_dir: str | Path, # a 05_train run directory
     got, want = json.loads((d / "config.json").read_text()), backbone_expectation(preset)
     diffs = [f"preset {got.get('preset')!r} != {want['preset']!r}"] if got.get("preset") != want["preset"] else []
     for k in ("encoder", "train"):
-        diffs += [f"{f}: {a!r} (run) != {b!r} (plan)" for f, (a, b) in recipe_changes({k: got.get(k) or {}}, {k: want[k]}).items()]
+        if not isinstance(got.get(k), dict): diffs.append(f"its config.json has no {k} section"); continue   # (fields added at default are for old sections)
+        diffs += [f"{f}: {a!r} (run) != {b!r} (plan)" for f, (a, b) in recipe_changes({k: got[k]}, {k: want[k]}).items()]
     tpath = Path(got.get("targets", "")) / "targets.json"
     if not tpath.is_file(): diffs.append(f"its targets {tpath} are not here, so the frame it trained in cannot be checked")
     else:

@@ -111,12 +111,14 @@ class Attention(nn.Module):
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
         return self.out(o.transpose(1, 2).reshape(B, L, D)), w
 
-def unpad_index(token_mask: torch.Tensor # [B, L] bool: every row has at least one real token
-               ) -> tuple:
-    "What every block's unpadded attention reads, computed once a forward (one host sync): (flat positions [T] of the real tokens, row offsets [B+1], the longest row, the shortest)."
+def unpad_index(token_mask: torch.Tensor, # [B, L] bool
+                real_index: torch.Tensor # [T] the flat positions of its real tokens (the encoder's, computed once a forward)
+               ) -> Optional[tuple]:
+    "What every block's unpadded attention reads, once a forward (one host sync, the rows' extremes): (real_index, row offsets [B+1], the longest row, the shortest); None where a row has no real token."
     lengths = token_mask.sum(1)                                         # [B]
     longest, shortest = torch.stack([lengths.max(), lengths.min()]).tolist()
-    return token_mask.flatten().nonzero().squeeze(1), torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]), longest, shortest
+    if shortest == 0: return None                                       # an empty row: the padded path (it attends to every position)
+    return real_index, torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]), longest, shortest
 
 def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, # [B, H, L, hd] each, rotated
                      unpadded: tuple, # unpad_index(token_mask): row b's tokens are the values offsets[b]:offsets[b+1]
@@ -260,7 +262,8 @@ class Block(nn.Module):
         self.routing = None                                               # [B, L, K] routing weights of the last recorded forward
     def forward(self, x, mask, positions, token_mask, need_weights: bool = False,
                 pack_ffn: bool = True, # with padding: the FFN on the real tokens only (the encoder decides, PACK_FFN_ABOVE); a routed FFN always packs
-                unpadded: Optional[tuple] = None # unpad_index(token_mask): attention over each row's real tokens only, where the kind takes it
+                unpadded: Optional[tuple] = None, # unpad_index(...): attention over each row's real tokens only, where the kind takes it
+                real_index: Optional[torch.Tensor] = None # [T] the real tokens' flat positions (the encoder's, once a forward); None: found here
                ):
         if unpadded is not None and getattr(self.attn, "unpads", False): a, w = self.attn(self.ln1(x), mask, positions, need_weights, unpadded)
         else: a, w = self.attn(self.ln1(x), mask, positions, need_weights)
@@ -270,7 +273,7 @@ class Block(nn.Module):
             self.routing = getattr(self.ffn, "last_routing", None)
             return x, w
         # heavy padding: the FFN half runs on the real tokens only, packed [T, D]; padded positions skip it
-        idx = token_mask.flatten().nonzero().squeeze(1)                      # [T]
+        idx = real_index if real_index is not None else token_mask.flatten().nonzero().squeeze(1)   # [T]
         flat = x.reshape(-1, x.shape[-1])                                   # [B*L, D]
         y = self.drop(self.ffn(self.ln2(flat.index_select(0, idx)), None))  # [T, D]
         r = getattr(self.ffn, "last_routing", None)                         # [T, K] packed, or None
@@ -425,8 +428,11 @@ class CaptionEncoder(nn.Module):
         ckpt = self.gradient_checkpointing and self.training and not output_attentions
         # unpadded attention where there is padding; the padded path for an empty row, attention weights, or checkpointing (whose saved-tensor
         # hooks read sizes a nested tensor does not have: torch 2.13)
-        unpad = self.unpad_attention and mask is not None and not output_attentions and not ckpt and not bool(empty.any())
-        unpadded = unpad_index(token_mask) if unpad else None           # once a forward: every block reads it
+        # the real tokens' flat positions, once a forward for every block (their count is known: no sync); unpadded attention's
+        # offsets and extremes (one sync), or None for an empty row
+        real_index = token_mask.flatten().nonzero_static(size=n_real).squeeze(1) if mask is not None else None
+        unpad = self.unpad_attention and mask is not None and not output_attentions and not ckpt
+        unpadded = unpad_index(token_mask, real_index) if unpad else None
         if hasattr(self.positions, "prepare"): self.positions.prepare(input_ids, token_mask)   # schemes that read the tokens (binding)
         x = self.drop(self.emb_norm(self.positions.embed(self.tokens(input_ids))))
         hidden, attns, routing, flags = [x] if output_hidden_states else None, [] if output_attentions else None, [], []
@@ -434,9 +440,9 @@ class CaptionEncoder(nn.Module):
             if getattr(block.ffn, "routed", False): block.ffn.record = record_routing
         for i, block in enumerate(self.blocks):
             if ckpt:
-                x, w = checkpoint(block, x, mask, self.positions, token_mask, False, pack, use_reentrant=False)   # the recompute takes the same path
+                x, w = checkpoint(block, x, mask, self.positions, token_mask, False, pack, None, real_index, use_reentrant=False)   # the recompute takes the same path
             else:
-                x, w = block(x, mask, self.positions, token_mask, output_attentions, pack, unpadded)
+                x, w = block(x, mask, self.positions, token_mask, output_attentions, pack, unpadded, real_index)
             if self.residual_hook is not None: x = self.residual_hook(i, x, token_mask)   # e.g. adapter arms
             if output_hidden_states: hidden.append(x)
             if output_attentions: attns.append(w)

@@ -230,8 +230,9 @@ def carried_source(name: str # a module of FOUNDATION_PARTS
         if not ours: continue
         if (isinstance(node, ast.ImportFrom) and node.level == 1 and node.module in carried and node in tree.body   # one file: the import is its code above
                 and all(a.asname is None for a in node.names)):
-            whole = "\n".join(code.split("\n")[node.lineno - 1:node.end_lineno]).strip()
-            if whole != ast.get_source_segment(code, node):
+            lines = code.split("\n")                                     # (a top-level import's own text is ASCII: ast's byte offsets are its columns)
+            before, after = lines[node.lineno - 1][:node.col_offset], lines[node.end_lineno - 1][node.end_col_offset:].strip()
+            if before.strip() or (after and not after.startswith("#")):       # a trailing comment goes with its line; code must not
                 raise ValueError(f"{name}, line {node.lineno}: {ast.unparse(node)!r} shares its line with other code, which dropping the line would drop: "
                                  "give the import a line of its own")
             drop.update(range(node.lineno - 1, node.end_lineno)); continue

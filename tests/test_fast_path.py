@@ -34,6 +34,9 @@ def _steps(fused: bool, precision: str = "fp32", n: int = 3):
     adam = (lambda *a, **k: real_adam(*a, **{**k, "fused": True})) if fused else real_adam   # TrainStep's own call, the fused kernel forced
     with mock.patch.object(loop_module.torch.optim, "Adam", adam):
         step = TrainStep(model, cfg, CPU, precision)
+    seen = []                                                              # the dtype the step's forward computes its projections in
+    model.blocks[0].attn.qkv.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    step.forward_dtypes = seen
     losses, grads = [], None
     for i in range(n):
         b = corpus.batch(np.arange(16 * i, 16 * (i + 1)))
@@ -71,9 +74,10 @@ def test_train_step_takes_fused_adam_on_cuda_only():
 
 def test_bf16_autocast_keeps_fp32_master_weights_and_the_fp32_gradient_to_its_precision():
     "bf16 autocast: the weights and their gradients stay fp32; the loss and the gradient agree with fp32's to bf16's precision (loss 1%, gradient cosine 0.999), and differ (autocast ran)."
-    m32, _, l32, g32 = _steps(False, "fp32", n=1)
-    m16, _, l16, g16 = _steps(False, "bf16", n=1)
+    m32, s32, l32, g32 = _steps(False, "fp32", n=1)
+    m16, s16, l16, g16 = _steps(False, "bf16", n=1)
     assert all(p.dtype == torch.float32 for p in m16.parameters()) and all(g.dtype == torch.float32 for g in g16.values())
+    assert set(s16.forward_dtypes) == {torch.bfloat16} and set(s32.forward_dtypes) == {torch.float32}, (s16.forward_dtypes, s32.forward_dtypes)   # bf16, not fp16
     assert l16[0] != l32[0], "bf16 gave the fp32 loss bit for bit: autocast did not run"
     assert abs(l16[0] - l32[0]) / abs(l32[0]) < 0.01, (l16, l32)
     a, b = torch.cat([g.flatten() for g in g32.values()]), torch.cat([g16[k].flatten() for k in g32])
