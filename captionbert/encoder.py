@@ -428,9 +428,9 @@ class CaptionEncoder(nn.Module):
         ckpt = self.gradient_checkpointing and self.training and not output_attentions
         # unpadded attention where there is padding; the padded path for an empty row, attention weights, or checkpointing (whose saved-tensor
         # hooks read sizes a nested tensor does not have: torch 2.13)
-        # the real tokens' flat positions, once a forward for every block (their count is known: no sync); unpadded attention's
-        # offsets and extremes (one sync), or None for an empty row
-        real_index = token_mask.flatten().nonzero_static(size=n_real).squeeze(1) if mask is not None else None
+        # the real tokens' flat positions, once a forward for every block (one sync; nonzero_static would spare it, but needs torch >= 2.6
+        # on CUDA); unpadded attention's offsets and extremes (one sync), or None for an empty row
+        real_index = token_mask.flatten().nonzero().squeeze(1) if mask is not None else None
         unpad = self.unpad_attention and mask is not None and not output_attentions and not ckpt
         unpadded = unpad_index(token_mask, real_index) if unpad else None
         if hasattr(self.positions, "prepare"): self.positions.prepare(input_ids, token_mask)   # schemes that read the tokens (binding)

@@ -389,9 +389,9 @@ def config_defaults() -> dict:
                 for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
     return {"encoder": defaults(EncoderConfig), "train": defaults(TrainConfig)}
 
-def _added_at_default(k: str, was: dict, now: dict, defaults: Optional[dict] = None) -> bool:
+def _added_at_default(k: str, was: dict, now: dict, defaults: dict # config_defaults(), resolved once by the caller
+                     ) -> bool:
     "A field added after the old config was written, at the value the old code had built in (flat dotted keys)."
-    defaults = config_defaults() if defaults is None else defaults
     head, _, name = k.rpartition(".")
     return k not in was and k in now and name in defaults.get(head, {}) and now[k] == defaults[head][name]
 
@@ -400,7 +400,7 @@ def recipe_changes(old: dict, # a finished run's config (JSON: its encoder and t
                    defaults: Optional[dict] = None # as for check_resume_config
                   ) -> dict:
     "config_changes less what cannot change what a run computed: a field added since it was written, at its default, and MEMORY_KEYS (how its step fit a card)."
-    was, now = _flat(old), _flat(new)
+    was, now, defaults = _flat(old), _flat(new), config_defaults() if defaults is None else defaults
     return {k: v for k, v in config_changes(old, new).items() if k not in MEMORY_KEYS and not _added_at_default(k, was, now, defaults)}
 
 def check_resume_config(old: dict, # the checkpoint's run config
@@ -410,7 +410,7 @@ def check_resume_config(old: dict, # the checkpoint's run config
                         defaults: Optional[dict] = None # {"encoder": {field: default}, ...}; None: config_defaults()
                        ) -> dict:
     "The changes between a checkpoint's config and this call's; GuardError listing the keys unless each is allowed."
-    was, now = _flat(old), _flat(new)
+    was, now, defaults = _flat(old), _flat(new), config_defaults() if defaults is None else defaults
     changes = {k: v for k, v in config_changes(old, new).items() if not _added_at_default(k, was, now, defaults)}
     def allowed(k):
         if k == "train.lr_scales" or k.startswith("train.lr_scales."): return False   # the optimizer's groups are restored as saved: never changed on resume
@@ -468,6 +468,9 @@ def _train_held(model, batches, loss_fn, cfg, run, corpus, evaluate_fn, stop_at,
     model.to(device)
     if hasattr(unwrap_model(model), "unpad_attention"): unwrap_model(model).unpad_attention = cfg.unpad_attention   # a CaptionEncoder's speed path
     elif cfg.unpad_attention: raise ValueError(f"unpad_attention is a CaptionEncoder's path; this model ({type(unwrap_model(model)).__name__}) has none")
+    if cfg.unpad_attention and getattr(unwrap_model(model), "gradient_checkpointing", False):
+        warnings.warn("unpad_attention is on, but the model checkpoints its blocks, and a checkpointed block takes the padded path (torch's "
+                      "saved-tensor hooks cannot read a nested tensor's sizes): this run's attention is padded")
     if cfg.compile:                  # in place (nn.Module.compile): the state dict's names, the checkpoints and the export are the eager model's
         unwrap_model(model).compile(backend=cfg.compile, dynamic=None)
     stepper = TrainStep(model, cfg, device, precision)         # the step (perf times this same object)

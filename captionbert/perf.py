@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 from . import report as rpt
 from .core import atomic_write_json, autocast, pick_device, pick_precision, set_seed
 from .data import Batch, LengthBucketSampler, bundled_minilm_path, collate, load_tokenizer, padding_report, tokenize
-from .benchmark import TASK_NAMES, load_sts_task, minilm_encoder, sts_unavailable
+from .benchmark import TASK_NAMES, load_sts_task, minilm_encoder
 from .embed import EmbeddingStore, embed_corpus
 from .sources import default_captions
 from .encoder import PACK_FFN_ABOVE, CaptionEncoder, EncoderConfig, EncoderOutput, n_params
@@ -30,8 +30,8 @@ from .recipe import fit_memory, train_memory_estimate
 # %% auto #0
 __all__ = ['PARAM_TOLERANCE', 'STEP', 'MATMUL_OPS', 'BF16_PEAK_TFLOPS', 'PROGRAM_V2', 'LENGTH_MIX', 'BertTwin', 'check_same_size',
            'step_loss', 'summarize', 'train_step_benchmark', 'pair_step_benchmark', 'routed_step_benchmark',
-           'padded_batch', 'ffn_packing_sweep', 'profile_step', 'caption_batches', 'flops_per_token',
-           'model_flops_per_step', 'activation_memory', 'matmul_peak', 'bert_flops_per_token', 'encode_benchmark',
+           'padded_batch', 'ffn_packing_sweep', 'profile_step', 'caption_batches', 'layer_flops_per_token',
+           'flops_per_token', 'model_flops_per_step', 'activation_memory', 'matmul_peak', 'encode_benchmark',
            'device_peak_tflops', 'synthetic_lengths', 'synthetic_batch', 'gpu_check', 'record_ffn_packing',
            'speed_figures', 'main']
 
@@ -277,11 +277,17 @@ def caption_batches(batch_size: int, # rows per batch
     plan = LengthBucketSampler(lengths, batch_size, seed=0).batches(0)
     return [collate([ids[i] for i in rows], rows) for rows in plan[:n_batches]], padding_report(lengths, plan), src
 
+def layer_flops_per_token(layers: int, hidden: int, ffn_hidden: int, # a transformer's shapes (QKV, output and FFN matmuls a layer)
+                          tokens: int, # the row's length (attention's cost grows with it)
+                          passes: int = 1 # 1: a forward; 3: a training step (forward and backward), nanoGPT's rule
+                         ) -> float:
+    "FLOPs a token of a transformer's layers: passes × (2 × the layers' matmul weights + 4 × layers × hidden × tokens, the attention scores and values)."
+    return passes * (2 * layers * (4 * hidden ** 2 + 2 * hidden * ffn_hidden) + 4 * layers * hidden * tokens)
+
 def flops_per_token(cfg: EncoderConfig, tokens: int # the row's (padded) length
                    ) -> float:
     "Training FLOPs a token by nanoGPT's rule: 6 x non-embedding parameters + 12 x layers x heads x head dim x row length (attention scores and values, fwd+bwd)."
-    body = cfg.layers * (4 * cfg.hidden ** 2 + 2 * cfg.hidden * cfg.ffn_hidden) + cfg.hidden * cfg.head_hidden + cfg.head_hidden * cfg.out_dim
-    return 6 * body + 12 * cfg.layers * cfg.hidden * tokens
+    return layer_flops_per_token(cfg.layers, cfg.hidden, cfg.ffn_hidden, tokens, passes=3) + 6 * (cfg.hidden * cfg.head_hidden + cfg.head_hidden * cfg.out_dim)
 
 def model_flops_per_step(cfg: EncoderConfig, batches: Sequence) -> float:
     "Approximate training FLOPs of one pass over `batches`: flops_per_token at each batch's padded length, times its padded tokens."
@@ -344,13 +350,6 @@ def matmul_peak(n: int = 2048, # square size: large enough to be compute-bound
         t0 = time.perf_counter(); torch.matmul(a, b); best = min(best, time.perf_counter() - t0)
     return {"gflops": round(2 * n ** 3 / best / 1e9, 1), "n": n, "threads": torch.get_num_threads()}
 
-def bert_flops_per_token(config, # a transformers BERT config (hidden_size, intermediate_size, num_hidden_layers)
-                         tokens: float # the row's length (attention's cost grows with it)
-                        ) -> float:
-    "Forward FLOPs a token of a BERT-shaped encoder, counted from its shapes: 2 × its matmul weights a layer (QKV, output, FFN) + 4 × hidden × tokens a layer (scores and weighted sum)."
-    h, f, n = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    return n * (2 * (4 * h * h + 2 * h * f) + 4 * h * tokens)
-
 def encode_benchmark(captions: Sequence[str], # the captions embedded (issue 27: 20,000 of Flickr8k)
                      sentences: Sequence[str], # the harness's sentences (the eight STS tasks' unique sentences)
                      batch_size: int = 64, # our rows a forward (TeacherGroup.encode's, the embed stage's default)
@@ -380,10 +379,11 @@ def encode_benchmark(captions: Sequence[str], # the captions embedded (issue 27:
             s, v_ours = timed(mine, texts); t_ours.append(s)
             s, v_st = timed(st_encode, texts); t_st.append(s)
         tokens = [len(x) for x in ours.group.tokenizer(texts, truncation=True, max_length=ours.group.max_length)["input_ids"]]
-        flops = sum(bert_flops_per_token(ours.group.model.config, t) * t for t in tokens)   # the real tokens' forward: no padding counted
+        mc = ours.group.model.config
+        flops = sum(layer_flops_per_token(mc.num_hidden_layers, mc.hidden_size, mc.intermediate_size, t) * t for t in tokens)   # the real tokens' forward
         mo, ms = statistics.median(t_ours), statistics.median(t_st)
         out[what] = {"rows": len(texts), "tokens": int(sum(tokens)), "ours_rows_per_s": round(len(texts) / mo, 1), "st_rows_per_s": round(len(texts) / ms, 1),
-                     "ratio_vs_st": round(ms / mo, 4), "ours_s": [round(x, 3) for x in t_ours], "st_s": [round(x, 3) for x in t_st],
+                     "ratio_vs_st": round(ms / mo, 4), "ours_s": [round(x, 6) for x in t_ours], "st_s": [round(x, 6) for x in t_st],
                      "max_abs_diff": float((v_ours - v_st).abs().max()), "peak_share": round(flops / mo / (peak["gflops"] * 1e9), 4)}
     return {"model": name, "batch_size": batch_size, "st_batch_size": st_batch_size, "rounds": rounds, "matmul_peak": peak, **out,
             "embedding_includes": "tokenizing, length-sorted batches, the forward, pooling, and the safetensors shards written and read back"}
@@ -534,8 +534,8 @@ def speed_figures(preset: str = "cpu", batch_size: int = 256, n_batches: int = 1
     step = train_step_benchmark(cfg, batches, device="cpu", rounds=rounds)
     prof = profile_step(cfg, batches, device="cpu", steps=profile_steps, top=5)
     caps = list(default_captions(limit=captions, verbose=False))
-    why = sts_unavailable()
-    pool = caps if why else sorted({s for t in TASK_NAMES for d in [load_sts_task(t)] for s in (*d.sentence1, *d.sentence2)})
+    try: pool, why = sorted({s for t in TASK_NAMES for d in [load_sts_task(t)] for s in (*d.sentence1, *d.sentence2)}), None   # read once
+    except FileNotFoundError as e: pool, why = caps, str(e)
     sents = [pool[i] for i in sorted(np.random.default_rng(0).permutation(len(pool))[:sentences])]
     enc = encode_benchmark(caps, sents)
     return {"preset": preset, "batch_size": batch_size, "captions": repr(src), "torch": torch.__version__, "threads": torch.get_num_threads(),

@@ -415,7 +415,7 @@ def plan_run(preset: str = "auto", # as for run_consensus_training
     student_arg = "" if encoder_config is None else f" --student {shlex.quote(student_text(encoder_config, cfg))}"
     fit = None if gpu_memory_gb is None or cfg.chunk_rows is not None else card_fit(cfg, enc, world_size, card_memory_gb(gpu_memory_gb))   # a recipe's own chunks are kept
     chunk = cfg.chunk_rows if cfg.chunk_rows is not None else (fit["chunk_rows"] if fit else None)
-    memory_arg = ((f" --chunk-rows {chunk}" if chunk else "") + (" --gradient-checkpointing" if fit and fit["gradient_checkpointing"] and not enc.gradient_checkpointing else "")
+    step_args = ((f" --chunk-rows {chunk}" if chunk else "") + (" --gradient-checkpointing" if fit and fit["gradient_checkpointing"] and not enc.gradient_checkpointing else "")
                   + (f" --compile {cfg.compile}" if cfg.compile else "") + (" --unpad-attention" if cfg.unpad_attention else ""))   # how the step runs: the command keeps it
     return {"preset": name, "section": "05_train", "seed": seed, "rows": rows, "corpus_rows": corpus_rows, "corpus": corpus, **split.describe(),
             "steps": cfg.max_steps, "batch_size": cfg.batch_size, "epochs": round(cfg.max_steps * cfg.batch_size / rows, 4),
@@ -432,7 +432,7 @@ def plan_run(preset: str = "auto", # as for run_consensus_training
                        + captions_arg.replace("--captions", "-p captions") + f" -p out_dir {targets_dir} -p embeddings {embed_dir}"
                        + (f" -p accept_rows {cfg.accept_rows}" if accept else ""),
                        f"{launch} --preset {name} --seed {seed} --targets {targets_dir}" + roster_arg + captions_arg + student_arg
-                       + (f" --max-steps {max_steps}" if max_steps else "") + accept + memory_arg,
+                       + (f" --max-steps {max_steps}" if max_steps else "") + accept + step_args,
                        f"python -m captionbert.benchmark --model runs/{run_name(cfg, name, seed, encoder_config)}/export"]}   # the run_dir's export
 
 # %% ../nbs/05_recipe.ipynb #a76ec015

@@ -189,6 +189,10 @@ def test_an_unpadded_run_trains_the_padded_weights(tmp_path):
     assert calls[False] == 0 and calls[True] >= 4 * 2, calls           # the flag took the path (4 steps x 2 blocks at least), and only with it
     assert _apart(out[False], out[True]) < 1e-5, _apart(out[False], out[True])
     assert _apart(out[False], CaptionEncoder(EncoderConfig.tiny()).state_dict()) > 1e-4, "nothing trained"
+    set_seed(0); ckpt = CaptionEncoder(EncoderConfig.tiny(gradient_checkpointing=True))   # the flag it cannot honour is said, not dropped silently
+    with pytest.warns(UserWarning, match="this run's attention is padded"):
+        train(ckpt, BatchPlan(corpus, np.arange(200), 16, seed=0), ConsensusLoss(targets), TrainConfig.smoke(max_steps=1, unpad_attention=True),
+              RunDir(tmp_path / "ckpt"), {"corpus": "scene-grammar-3"}, resume=False, device="cpu", progress=False)
     with pytest.raises(ValueError, match="unpad_attention is a CaptionEncoder's path"):
         train(torch.nn.Linear(2, 2), BatchPlan(corpus, np.arange(200), 16, seed=0), ConsensusLoss(targets), TrainConfig.smoke(unpad_attention=True),
               RunDir(tmp_path / "linear"), {"corpus": "scene-grammar-3"}, resume=False, device="cpu", progress=False)

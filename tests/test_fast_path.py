@@ -51,15 +51,14 @@ def _steps(fused: bool, precision: str = "fp32", n: int = 3):
 
 def test_fused_adam_steps_the_weights_the_plain_adam_does():
     "Fused Adam (CUDA's choice in TrainStep) against the for-each Adam the CPU takes: the same weights after 3 steps with two lr groups, to 1e-6."
-    plain, sp, lp, _ = _steps(False)
-    fused, sf, lf, _ = _steps(True)
+    plain, sp, _, _ = _steps(False)
+    fused, sf, _, _ = _steps(True)
     assert sp.opt.defaults["fused"] in (None, False) and sf.opt.defaults["fused"] is True      # each path taken
     assert [g["lr"] for g in sf.opt.param_groups] == [g["lr"] for g in sp.opt.param_groups] and len(sp.opt.param_groups) == 2
     worst = max((a - b).abs().max().item() for a, b in zip(plain.state_dict().values(), fused.state_dict().values()) if a.is_floating_point())
     assert worst < 1e-6, worst
     moved = max((a - b).abs().max().item() for a, b in zip(plain.state_dict().values(), CaptionEncoder(EncoderConfig.tiny()).state_dict().values()) if a.is_floating_point())
     assert moved > 1e-4, "nothing trained: the equality compares two untouched models"
-    assert lp[0] == lf[0]                                                   # the first forward is before any step: identical
 
 
 def test_train_step_takes_fused_adam_on_cuda_only():
