@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .core import atomic_write_json, check_writable, code_version, repo_root, sha256_bytes
+from .core import atomic_write_json, check_writable, code_version, repo_root, sha256_bytes, stage
 from .data import STS_DIR_VAR, bundled_minilm_path, find_data
 from .gauges import effective_rank, entropy_effective_rank, self_cosine, simplex_cv, spearman
 from .teachers import TeacherGroup, TeacherSpec, glove_teacher, paraphrase_teachers, require_source
@@ -259,8 +259,9 @@ def _prepare(tasks, sts_dir):
 def _embed(encode, name, unique, chunk, progress):
     "Embed the unique sentences in length-sorted chunks; `encode` returns a tensor or a dict of tensors (views)."
     parts, t0 = [], time.time()
-    for i in tqdm(range(0, len(unique), chunk), desc=f"embedding for {name}", unit="chunk", disable=not progress):
-        parts.append(encode(unique[i:i + chunk]))
+    with stage("score"):
+        for i in tqdm(range(0, len(unique), chunk), desc=f"embedding for {name}", unit="chunk", disable=not progress):
+            parts.append(encode(unique[i:i + chunk]))
     seconds = time.time() - t0
     if isinstance(parts[0], dict): return {k: torch.cat([p[k].detach().float().cpu() for p in parts]) for k in parts[0]}, seconds
     return torch.cat([p.detach().float().cpu() for p in parts]), seconds

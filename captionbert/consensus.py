@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from . import alignment as _alignment
 from .alignment import AlignmentConfig, AlignmentMap, RowEmbeddings, fit_roster, frame_fingerprint, split_rows
 from .corpus import check_corpus_rows, inspect_source
-from .core import (GuardError, atomic_path, atomic_write_json, current_umask, folder_lock, pick_device, pick_precision, remove_temporaries,
+from .core import (GuardError, atomic_path, atomic_write_json, current_umask, folder_lock, pick_device, pick_precision, remove_temporaries, stage,
                               sha256_bytes, sha256_file, stage_hash, stale_temporaries, to_jsonable)
 from .data import CAPTIONS_VAR, TokenStore, load_tokenizer, stratified_sample, token_store, tokenize
 from .gauges import effective_rank
@@ -342,7 +342,7 @@ def build_consensus(cfg: AlignmentConfig, # the preset (see AlignmentConfig)
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-{kid}.{os.getpid()}.", suffix=".tmp", dir=folder.parent))
         try:
             os.chmod(tmp, 0o777 & ~current_umask())                # a folder's ordinary mode (mkdtemp makes it private)
-            tg = _build_consensus(cfg, tmp, source, store, key, rebuilt_from, time.time() - t0, progress)
+            with stage("consensus"): tg = _build_consensus(cfg, tmp, source, store, key, rebuilt_from, time.time() - t0, progress)
             build = folder.with_name(f"{folder.name}-{tg.frame[:12]}-{kid}")
             os.rename(tmp, build)                                  # the build appears whole, under its own name
         finally: shutil.rmtree(tmp, ignore_errors=True)
@@ -355,7 +355,7 @@ def _build_consensus(cfg, folder, source, store, key, rebuilt_from, t_embed, pro
     width = store.manifest["dims"][ref]
     fit_rows, eval_rows = split_rows(lengths, cfg, width)
     t0 = time.time()
-    maps = fit_roster({t: RowEmbeddings.load(store, t, rows=fit_rows) for t in store.teachers}, ref, fit_rows)
+    with stage("align"): maps = fit_roster({t: RowEmbeddings.load(store, t, rows=fit_rows) for t in store.teachers}, ref, fit_rows)
     t_fit = time.time() - t0
     t0 = time.time()
     write_targets(store, maps, folder, progress=progress,

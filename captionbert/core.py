@@ -17,10 +17,11 @@ from safetensors import safe_open
 from . import __version__
 
 # %% auto #0
-__all__ = ['PRECISIONS', 'FAULT_VAR', 'FAULT_KINDS', 'SIZES', 'PLAN_KEYS', 'repo_root', 'interactive_session', 'GuardError',
-           'set_seed', 'pick_device', 'pick_precision', 'autocast', 'dist_world', 'fault_point', 'sha256_file',
-           'sha256_bytes', 'current_umask', 'atomic_path', 'temporary_writer', 'atomic_write_bytes', 'check_writable',
-           'to_jsonable', 'atomic_write_json', 'read_safetensors', 'read_lines', 'folder_lock', 'pid_alive', 'RunLock',
+__all__ = ['PRECISIONS', 'NATIVE', 'FAULT_VAR', 'FAULT_KINDS', 'SIZES', 'PLAN_KEYS', 'repo_root', 'interactive_session',
+           'GuardError', 'set_seed', 'pick_device', 'cpu_has_bf16', 'pick_precision', 'planned_precision', 'autocast',
+           'dist_world', 'StageClock', 'stage', 'fault_point', 'sha256_file', 'sha256_bytes', 'current_umask',
+           'atomic_path', 'temporary_writer', 'atomic_write_bytes', 'check_writable', 'to_jsonable',
+           'atomic_write_json', 'read_safetensors', 'read_lines', 'folder_lock', 'pid_alive', 'RunLock',
            'keep_run_locks', 'code_version', 'stage_hash', 'resolve_preset', 'Presets', 'member_of', 'emit_plan',
            'stale_temporaries', 'remove_temporaries', 'RunDir']
 
@@ -72,16 +73,30 @@ def pick_device(prefer: str | None = None # "cuda", "cpu", "mps", or None for th
         return dev
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
+NATIVE = "native"   # a precision request: bf16 wherever the device computes it natively, CPUs with bf16 instructions included
+
+def cpu_has_bf16() -> bool:
+    "Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX, as oneDNN reports): bf16 GEMMs ran 2.2x fp32's here (05a)."
+    try: return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError): return False    # a build without the query: not assumed
+
 def pick_precision(device: torch.device | str, # the run's device
-                   prefer: str | None = None # "fp32", "bf16", "fp16", or None for the best available
+                   prefer: str | None = None # "fp32", "bf16", "fp16"; None: the device's default; "native": bf16 where the device has it (CPUs too)
                   ) -> str:
-    "The mixed-precision mode for `device`: bf16 on capable CUDA, fp16 on older CUDA, fp32 elsewhere."
-    if prefer is not None:
-        if prefer not in PRECISIONS: raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {prefer!r}")
+    "The mixed-precision mode for `device`: bf16 on capable CUDA, fp16 on older CUDA, fp32 elsewhere; asked for NATIVE, bf16 also on a CPU with bf16 instructions."
+    if prefer is not None and prefer != NATIVE:
+        if prefer not in PRECISIONS: raise ValueError(f"precision must be one of {sorted(PRECISIONS)} or {NATIVE!r}, got {prefer!r}")
         return prefer
     device = torch.device(device)
     if device.type == "cuda": return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    return "fp32"
+    return "bf16" if prefer == NATIVE and device.type == "cpu" and cpu_has_bf16() else "fp32"
+
+def planned_precision(device_type: str, # "cuda" (a card the plan assumes: bf16-capable) or "cpu" (this machine)
+                      prefer: str | None = None # a recipe's precision (TrainConfig.precision)
+                     ) -> str:
+    "The precision a run would resolve, for a plan: no CUDA device is queried (a card is assumed bf16-capable); a CPU answers for itself."
+    if device_type == "cuda": return "bf16" if prefer in (None, NATIVE) else pick_precision("cuda", prefer)
+    return pick_precision(device_type, prefer)
 
 def autocast(device: torch.device | str, # the run's device
              precision: str # a key of PRECISIONS
@@ -96,6 +111,49 @@ def dist_world() -> tuple[int, int]:
     import torch.distributed as dist   # deferred: only a process in a group has one
     return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
 
+
+# %% ../nbs/00_core.ipynb #17cda677
+_CLOCKS: list = []   # the running StageClocks, the newest last (a module list, not a context variable: a notebook's cells run in copies of the context)
+
+class StageClock:
+    "Wall seconds of a job's named stages, each second counted once (a stage entered inside another pauses it); what no stage claims is `other`."
+    def __init__(self):
+        self.seconds: dict[str, float] = {}; self._stack: list = []; self._t0 = self._mark = None; self.wall = None
+    def start(self) -> "StageClock":
+        "Run this clock: `stage` records into it (the newest running clock) from now until stop()."
+        if self in _CLOCKS: raise RuntimeError("this StageClock is already running")
+        self._t0 = self._mark = time.perf_counter(); _CLOCKS.append(self); return self
+    def stop(self) -> "StageClock":
+        if self not in _CLOCKS: raise RuntimeError("this StageClock is not running: start() it first")
+        if self._stack: raise RuntimeError(f"stop() inside stage {self._stack[-1]!r}")
+        _CLOCKS.remove(self); self.wall = time.perf_counter() - self._t0; return self
+    def __enter__(self): return self.start()
+    def __exit__(self, *exc): self.stop()
+    def _charge(self):
+        now = time.perf_counter()
+        if self._stack: self.seconds[self._stack[-1]] = self.seconds.get(self._stack[-1], 0.0) + now - self._mark
+        self._mark = now
+    def record(self) -> dict:
+        "{'wall_s', 'stages_s' (in the order first entered, with 'other'), 'shares'}; a running clock reads up to now."
+        wall = self.wall if self.wall is not None else time.perf_counter() - self._t0
+        stages = {k: round(v, 3) for k, v in self.seconds.items()}
+        stages["other"] = round(max(0.0, wall - sum(self.seconds.values())), 3)
+        return {"wall_s": round(wall, 3), "stages_s": stages, "shares": {k: round(v / wall, 4) if wall else 0.0 for k, v in stages.items()}}
+    def table(self) -> str:
+        "The stages' seconds and shares, one line each, then the total."
+        r = self.record()
+        return "\n".join([f"{'stage':<10} {'seconds':>9} {'share':>7}"] + [f"{k:<10} {v:>9.1f} {r['shares'][k]:>7.1%}" for k, v in r["stages_s"].items()]
+                         + [f"{'total':<10} {r['wall_s']:>9.1f} {1:>7.1%}"])
+
+@contextlib.contextmanager
+def stage(name: str # the stage: tokenize, embed, align, consensus, train, export, score (or one's own)
+         ):
+    "Charge the enclosed work to `name` on the running StageClock (none running: nothing happens)."
+    clock = _CLOCKS[-1] if _CLOCKS else None
+    if clock is None: yield; return
+    clock._charge(); clock._stack.append(name)
+    try: yield
+    finally: clock._charge(); clock._stack.pop()
 
 # %% ../nbs/00_core.ipynb #3aa21f45
 FAULT_VAR = "CAPTIONBERT_FAULT"            # test-only: "<kind>:<name>" makes the process SIGKILL itself at that fault point

@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .core import GuardError, folder_lock, repo_root, sha256_bytes, sha256_file, stage_hash
+from .core import GuardError, folder_lock, repo_root, sha256_bytes, sha256_file, stage, stage_hash
 
 # %% auto #0
 __all__ = ['STS_DIR_VAR', 'CAPTIONS_VAR', 'CACHE_VAR', 'BERT_TOKENIZER_HUB', 'MAX_TOKENS', 'TOKEN_FILES', 'find_data',
@@ -326,7 +326,7 @@ def token_store(source, # a caption source
                 raise GuardError(f"{folder} holds the token store {store.fingerprint} but this source and tokenizer key to {key}: "
                                  "pass another folder (or folder=None for the cache)")
             return store
-        return TokenStore.build(source, tokenizer, folder, max_tokens, key=key, progress=progress)
+        with stage("tokenize"): return TokenStore.build(source, tokenizer, folder, max_tokens, key=key, progress=progress)
 
 # %% ../nbs/01_data.ipynb #4a731ab7
 def stratified_sample(lengths: Sequence[int], # length of each row (tokens or words)

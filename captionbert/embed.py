@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .core import (GuardError, stage_hash, atomic_path, atomic_write_json, dist_world, folder_lock, pick_device, pick_precision,
+from .core import (GuardError, stage, stage_hash, atomic_path, atomic_write_json, dist_world, folder_lock, pick_device, pick_precision,
                               remove_temporaries, sha256_bytes, sha256_file, stale_temporaries)
 from .data import cache_dir
 from .sources import open_captions
@@ -298,8 +298,9 @@ def embed_cached(source, # a caption source
     if (folder / "manifest.json").exists():
         store = EmbeddingStore(folder)
         if store.complete: return store
-    return embed_corpus(source, load_teachers(specs, device=device, precision=precision), folder,
-                        shard_size=shard_size, batch_size=batch_size, limit=limit, progress=progress)
+    with stage("embed"):
+        return embed_corpus(source, load_teachers(specs, device=device, precision=precision), folder,
+                            shard_size=shard_size, batch_size=batch_size, limit=limit, progress=progress)
 
 # %% ../nbs/01d_embed.ipynb #6afd511d
 def _store_summary(store: EmbeddingStore) -> dict:

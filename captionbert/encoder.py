@@ -5,7 +5,7 @@
 
 # %% auto #0
 __all__ = ['SIZE_TO_ARCH', 'FFN_KINDS', 'PACK_FFN_ABOVE', 'ATTENTION_KINDS', 'ATTENTION_OPTIONS', 'PART_MODULES', 'EncoderConfig',
-           'Attention', 'unpad_index', 'jagged_attention', 'DenseFFN', 'routing_spec', 'read_routing_spec',
+           'Attention', 'attend', 'unpad_index', 'jagged_attention', 'DenseFFN', 'routing_spec', 'read_routing_spec',
            'AnchoredFFN', 'Block', 'TokenLocal', 'register_attention', 'attention_kind', 'encoder_parts',
            'import_parts', 'EncoderOutput', 'CaptionEncoder', 'set_residual_hook', 'n_params', 'own_storage']
 
@@ -108,8 +108,17 @@ class Attention(nn.Module):
             w = s.softmax(-1); o = w @ v
         else:
             w = None
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
+            o = attend(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
         return self.out(o.transpose(1, 2).reshape(B, L, D)), w
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, # [B, H, L, hd] each (or nested: jagged_attention)
+           **kw # scaled_dot_product_attention's: attn_mask, dropout_p
+          ) -> torch.Tensor:
+    "SDPA; on a CPU in bf16 or fp16 (autocast) the scores and their backward run in fp32: the CPU's reduced-precision flash kernel's backward took 6x fp32's time (05a's profile), and the result returns in the inputs' dtype."
+    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+        with torch.autocast("cpu", enabled=False):
+            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kw).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, **kw)
 
 def unpad_index(token_mask: torch.Tensor, # [B, L] bool
                 real_index: torch.Tensor # [T] the flat positions of its real tokens (the encoder's, computed once a forward)
@@ -132,7 +141,7 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, # [B, H,
         return torch.nested.nested_tensor_from_jagged(vals, offsets, min_seqlen=shortest, max_seqlen=longest).transpose(1, 2)
     with warnings.catch_warnings():                                     # the CPU math path builds a strided nested tensor and says so
         warnings.filterwarnings("ignore", message=".*nested tensors is in prototype stage.*")
-        o = F.scaled_dot_product_attention(pack(q), pack(k), pack(v), dropout_p=dropout_p)
+        o = attend(pack(q), pack(k), pack(v), dropout_p=dropout_p)
     return o.transpose(1, 2).values().reshape(-1, H * hd)
 
 class DenseFFN(nn.Module):

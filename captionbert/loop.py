@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from .alignment import AlignmentConfig, captions_label, captions_spec
 from .benchmark import pooled_outputs
-from .core import (GuardError, RunDir, atomic_path, atomic_write_bytes, autocast, fault_point, pick_device, pick_precision,
+from .core import (NATIVE, GuardError, RunDir, atomic_path, atomic_write_bytes, autocast, fault_point, pick_device, pick_precision, stage,
                               to_jsonable)
 from .data import Batch, LengthBucketSampler, TokenStore
 from .encoder import CaptionEncoder, EncoderConfig
@@ -29,11 +29,11 @@ from .gauges import effective_rank, mimicry_r1, query_set_report, self_cosine
 from .teachers import roster_label, roster_text
 
 # %% auto #0
-__all__ = ['COMPILE_BACKENDS', 'TokenizedCorpus', 'RESUME_LOG', 'WHERE_KEYS', 'MEMORY_KEYS', 'TrainConfig', 'summed_lr', 'lr_at',
-           'BatchPlan', 'unwrap_model', 'param_groups', 'TrainStep', 'save_weights', 'latest_checkpoint',
-           'load_checkpoint', 'resume_checkpoint', 'set_aside_newer', 'NothingToTrain', 'config_changes',
-           'config_defaults', 'recipe_changes', 'check_resume_config', 'TrainResult', 'train', 'ConsensusLoss',
-           'frame_gap', 'frame_gap_floor', 'mimicry_line', 'ConsensusGauges']
+__all__ = ['COMPILE_BACKENDS', 'TokenizedCorpus', 'FUSED_ADAM_DEVICES', 'RESUME_LOG', 'WHERE_KEYS', 'MEMORY_KEYS', 'TrainConfig',
+           'summed_lr', 'lr_at', 'BatchPlan', 'unwrap_model', 'param_groups', 'TrainStep', 'save_weights',
+           'latest_checkpoint', 'load_checkpoint', 'resume_checkpoint', 'set_aside_newer', 'NothingToTrain',
+           'config_changes', 'config_defaults', 'recipe_changes', 'check_resume_config', 'TrainResult', 'train',
+           'ConsensusLoss', 'frame_gap', 'frame_gap_floor', 'mimicry_line', 'ConsensusGauges']
 
 # %% ../nbs/05_loop.ipynb #c11b275e
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")   # torch.compile backends a training run may name (dynamo also lists test and minifier ones)
@@ -56,7 +56,7 @@ class TrainConfig:
     temperature: float = 0.07            # InfoNCE
     mse_weight: float = 1.0              # weight of the MSE-to-target term
     max_tokens: int = 256                # input ceiling
-    precision: Optional[str] = None      # None: bf16 on CUDA, fp32 on CPU
+    precision: Optional[str] = None      # None: bf16 on CUDA, fp32 on CPU; "native" (the cpu preset): bf16 on a CPU with bf16 instructions too (core.pick_precision)
     pool: int = 50                       # batches per length-sorting pool
     eval_every: int = 200                # steps between gauge evaluations
     eval_rows: int = 2048                # held-out rows the gauges read (never trained on)
@@ -111,7 +111,7 @@ class TrainConfig:
     @classmethod
     def v2b(cls, **kw): return cls.v2(**{"name": "v2b", "max_steps": 62_312, "train_rows": None, **kw})
     @classmethod
-    def cpu(cls, **kw): return cls(**{"name": "cpu", **kw})
+    def cpu(cls, **kw): return cls(**{"name": "cpu", "precision": NATIVE, **kw})   # bf16 where this CPU has it: 1.8x fp32's step (05a)
     @classmethod
     def smoke(cls, **kw): return cls(**{"name": "smoke", "encoder": "tiny", "alignment": "smoke", "batch_size": 32, "max_steps": 40,
                                        "warmup_steps": 5, "eval_every": 20, "eval_rows": 256, "ckpt_every_steps": 20, "log_every": 5, **kw})
@@ -193,17 +193,19 @@ def param_groups(model: torch.nn.Module, # the model being trained
     groups = [{"params": list(rest.values()), "lr": cfg.lr, "name": "recipe"}] + scaled
     return [g for g in groups if g["params"]]
 
+FUSED_ADAM_DEVICES = ("cuda", "cpu")   # where Adam takes its fused kernel: on this CPU 8 ms a step of the cpu student, not the loop's 39 (05a)
+
 class TrainStep:
     "The one loop's step and the state it steps: forward and loss under autocast, the NaN guards, backward (scaler), clip, Adam on param_groups, zero_grad, the schedule."
     def __init__(self, model: torch.nn.Module, # the model trained (bare or wrapped): its param_groups, from cfg.lr_scales, are Adam's
                  cfg: TrainConfig, # lr, lr_scales, weight decay, grad clip, the warmup+cosine schedule (lr_at)
-                 device: torch.device, # where the step runs (Adam fused on CUDA)
+                 device: torch.device, # where the step runs (Adam fused on CUDA and CPU)
                  precision: str # fp32 / bf16 / fp16 (fp16: a gradient scaler)
                 ):
         for m in model.modules():                               # where a model meets the fp16 scaler: a binding encoder is refused (any wrapper)
             if isinstance(m, CaptionEncoder): check_binding_precision(m.config, precision)
         self.cfg, self.device, self.precision = cfg, device, precision
-        self.opt = torch.optim.Adam(param_groups(model, cfg), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda")
+        self.opt = torch.optim.Adam(param_groups(model, cfg), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type in FUSED_ADAM_DEVICES)
         self.params = [p for g in self.opt.param_groups for p in g["params"]]   # every trained parameter, for clipping
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_at(s, cfg) / cfg.lr)
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
@@ -458,7 +460,7 @@ def train(model: torch.nn.Module, # the model (its parameters that require grad 
     for m in model.modules():                                   # where the model meets the fp16 scaler: a binding encoder is refused (any wrapper)
         if isinstance(m, CaptionEncoder): check_binding_precision(m.config, precision)
     run_config = to_jsonable({**(config or {}), "train": cfg})
-    with run.hold() if rank == 0 else contextlib.nullcontext():     # one process a run directory: a second is refused, naming the holder
+    with run.hold() if rank == 0 else contextlib.nullcontext(), stage("train"):   # one process a run directory: a second is refused, naming the holder
         return _train_held(model, batches, loss_fn, cfg, run, corpus, evaluate_fn, stop_at, resume, device, precision, progress,
                            run_config, allow_changes, rank, world)
 

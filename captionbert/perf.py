@@ -17,14 +17,14 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from . import report as rpt
-from .core import atomic_write_json, autocast, pick_device, pick_precision, set_seed
+from .core import NATIVE, atomic_write_json, autocast, pick_device, pick_precision, set_seed
 from .data import Batch, LengthBucketSampler, bundled_minilm_path, collate, load_tokenizer, padding_report, tokenize
 from .benchmark import TASK_NAMES, load_sts_task, minilm_encoder
 from .embed import EmbeddingStore, embed_corpus
 from .sources import default_captions
 from .encoder import PACK_FFN_ABOVE, CaptionEncoder, EncoderConfig, EncoderOutput, n_params
 from .teachers import mean_pool
-from .loop import ConsensusLoss, TrainConfig, TrainStep
+from .loop import FUSED_ADAM_DEVICES, ConsensusLoss, TrainConfig, TrainStep
 from .recipe import fit_memory, train_memory_estimate
 
 # %% auto #0
@@ -126,10 +126,13 @@ def summarize(steps: Sequence[dict], # the per-step record: {"rows", "captionber
     return out
 
 def _alternate(models: dict, # name -> model, in training mode on `device`
-               batches: Sequence, device, precision, tc: TrainConfig, rounds: int, warmup: int) -> list[dict]:
+               batches: Sequence, device,
+               precision: str | dict, # one for every model, or name -> precision
+               tc: TrainConfig, rounds: int, warmup: int) -> list[dict]:
     "The timing record: untimed warm-up steps, then every batch once a round, the models back to back, alternating who goes first."
     loss = step_loss(models, batches, tc)
-    trainers = {k: TrainStep(m, tc, device, precision) for k, m in models.items()}
+    prec = precision if isinstance(precision, dict) else dict.fromkeys(models, precision)
+    trainers = {k: TrainStep(m, tc, device, prec[k]) for k, m in models.items()}
     for k, m in models.items():
         for b in batches[:warmup]: _step(m, trainers[k], loss, b)
     names, steps = list(models), []
@@ -148,18 +151,32 @@ def train_step_benchmark(cfg: EncoderConfig, # the architecture to measure
                          device=None, precision: str | None = None,
                          rounds: int = 3, # passes over the batches; each model alternates per batch
                          warmup: int = 2, # untimed steps per model first (they also allocate Adam's state)
-                         train_cfg: TrainConfig | None = None # the recipe each model's TrainStep steps with (default: TrainConfig())
+                         train_cfg: TrainConfig | None = None, # the recipe each model's TrainStep steps with (default: TrainConfig())
+                         twin_precisions: Sequence[str] = () # more twins, each at one of these precisions, in the same interleaved record
                         ) -> dict:
-    "Full training-step throughput of CaptionEncoder and its BertTwin on the same batches, and their ratio."
+    "Full training-step throughput of CaptionEncoder and its BertTwin on the same batches, and their ratio; with `twin_precisions`, also against the twin at each, and against the twin at its fastest (`vs_fastest_bert`)."
     device = pick_device(device); precision = pick_precision(device, precision); tc = train_cfg or TrainConfig()
     models, params = _pair(cfg, device)
+    precisions = {"captionbert": precision, "bert": precision}
+    for p in dict.fromkeys(pick_precision(device, x) for x in twin_precisions):
+        if p != precision:                                              # a twin of its own, seeded alike, at that precision
+            set_seed(0); models[f"bert@{p}"] = BertTwin(cfg).to(device).train(); precisions[f"bert@{p}"] = p
     batches = [b.to(device) for b in batches]
-    steps = _alternate(models, batches, device, precision, tc, rounds, warmup)
+    steps = _alternate(models, batches, device, precisions, tc, rounds, warmup)
     out = summarize(steps)
-    for k in ("captionbert", "bert"): out[k] = {"params": params[k], **out[k]}
+    for k in ("captionbert", "bert"): out[k] = {"params": params[k], "precision": precision, **out[k]}
+    twins = [k for k in models if k.startswith("bert")]
+    for k in twins[1:]:
+        s = summarize(steps, ("captionbert", k))
+        out[k] = {"params": n_params(models[k]), "precision": precisions[k], **s[k]}
+        out[f"vs_{k}"] = {x: s[x] for x in (f"train_step_ratio_vs_{k}", "pair_ratio_median", "pair_ratio_p10_p90")}
+    fastest = min(twins, key=lambda k: out[k]["total_s"])
+    s = summarize(steps, ("captionbert", fastest))
+    out["vs_fastest_bert"] = {"twin": fastest, "precision": precisions[fastest], "ratio": s[f"train_step_ratio_vs_{fastest}"],
+                              "pair_ratio_median": s["pair_ratio_median"], "pair_ratio_p10_p90": s["pair_ratio_p10_p90"]}
     real = sum(r["captionbert"]["tokens"] for r in steps); slots = sum(b.input_ids.numel() for b in batches) * rounds
     out.update(step=STEP, optimizer={"name": "Adam", "lr": tc.lr, "lr_scales": [list(s) for s in tc.lr_scales], "weight_decay": tc.weight_decay, "grad_clip": tc.grad_clip,
-                                     "fused": device.type == "cuda"},
+                                     "fused": device.type in FUSED_ADAM_DEVICES},
                param_ratio_bert_vs_captionbert=round(params["bert"] / params["captionbert"], 6),
                device=str(device), precision=precision, threads=torch.get_num_threads(), steps_timed=len(steps),
                real_tokens=real, padded_tokens=slots - real, steps=steps)
@@ -531,16 +548,18 @@ def speed_figures(preset: str = "cpu", batch_size: int = 256, n_batches: int = 1
     "Every ratio issue 27 reads, measured in one run on this machine: the training step against the BertModel twin (pair median, p10-p90) with each model's matmul share, the embed stage and the harness against sentence-transformers with the matmul peak."
     cfg = EncoderConfig.preset(preset)
     batches, pad, src = caption_batches(batch_size, n_batches)
-    step = train_step_benchmark(cfg, batches, device="cpu", rounds=rounds)
-    prof = profile_step(cfg, batches, device="cpu", steps=profile_steps, top=5)
+    step = train_step_benchmark(cfg, batches, device="cpu", precision=NATIVE, rounds=rounds, twin_precisions=("fp32",))   # the cpu preset's precision; the twin also at fp32
+    prof = profile_step(cfg, batches, device="cpu", precision=NATIVE, steps=profile_steps, top=5)
     caps = list(default_captions(limit=captions, verbose=False))
     try: pool, why = sorted({s for t in TASK_NAMES for d in [load_sts_task(t)] for s in (*d.sentence1, *d.sentence2)}), None   # read once
     except FileNotFoundError as e: pool, why = caps, str(e)
     sents = [pool[i] for i in sorted(np.random.default_rng(0).permutation(len(pool))[:sentences])]
     enc = encode_benchmark(caps, sents)
     return {"preset": preset, "batch_size": batch_size, "captions": repr(src), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "train_step": {"ratio_vs_bert": step["train_step_ratio_vs_bert"], "pair_ratio_median": step["pair_ratio_median"],
-                           "pair_ratio_p10_p90": step["pair_ratio_p10_p90"], "rounds": rounds, "batches": len(batches),
+            "train_step": {"precision": step["precision"], "ratio_vs_bert": step["train_step_ratio_vs_bert"], "pair_ratio_median": step["pair_ratio_median"],
+                           "pair_ratio_p10_p90": step["pair_ratio_p10_p90"], "vs_fastest_bert": step["vs_fastest_bert"],
+                           "step_ms": {k: step[k]["median_step_ms"] for k in step if k.startswith(("captionbert", "bert")) and isinstance(step[k], dict)},
+                           "rounds": rounds, "batches": len(batches),
                            "matmul_share": {k: prof[k]["matmul_share"] for k in ("captionbert", "bert")},
                            "top_ops_ms": {k: prof[k]["top_ops"] for k in ("captionbert", "bert")}},
             "embedding": enc["embedding"], "harness": {**enc["harness"], "sentences": f"a seeded sample of the eight STS tasks' {len(pool):,} unique sentences"

@@ -18,7 +18,7 @@ from .alignment import AlignmentConfig
 from .consensus import check_caption_rows
 from .corpus import check_corpus_rows, corpus_plan
 from .targets import find_targets, foreign_targets_error, load_targets
-from .core import GuardError, RunDir, atomic_write_json, dist_world as _world, pick_device, resolve_preset, sha256_bytes, to_jsonable
+from .core import GuardError, RunDir, atomic_write_json, dist_world as _world, pick_device, planned_precision, resolve_preset, sha256_bytes, to_jsonable
 from .data import CAPTIONS_VAR, TokenStore, load_tokenizer, runs_dir, stratified_sample, token_store
 from .sources import HubCaptions, reopen_captions
 from .encoder import CaptionEncoder, EncoderConfig, n_params
@@ -374,7 +374,7 @@ def card_memory_gb(gpu_memory_gb: Optional[float] = None # a card's memory named
 def card_fit(cfg: TrainConfig, enc, # the run's recipe and student (resolved)
              world_size: int, card: float) -> dict:
     "fit_memory for a process's share of the recipe's batch on a card, at the run's precision on a GPU (bf16 unless the recipe names one): the one chunk decision, for runs and plans alike."
-    return fit_memory(enc, cfg.batch_size // world_size, card, cfg.max_tokens, cfg.precision or "bf16")
+    return fit_memory(enc, cfg.batch_size // world_size, card, cfg.max_tokens, planned_precision("cuda", cfg.precision))
 
 def plan_run(preset: str = "auto", # as for run_consensus_training
              seed: int = 0, roster: Optional[str] = None, max_steps: Optional[int] = None,
@@ -399,7 +399,7 @@ def plan_run(preset: str = "auto", # as for run_consensus_training
             "fit_rows": fit_rows, "fit_n_over_d": round(fit_rows / width, 2), "eval_rows": acfg.eval_rows, "seed": acfg.seed}
     maps["id"] = sha256_bytes(json.dumps(to_jsonable(acfg), sort_keys=True).encode())[:16]   # the config the maps are fit from
     device = "cuda" if published else pick_device().type
-    precision = cfg.precision or ("bf16" if device == "cuda" else "fp32")
+    precision = planned_precision(device, cfg.precision)
     enc = resolve_encoder_config(cfg, width, encoder_config)
     per_rank = cfg.batch_size // world_size
     targets_dir, embed_dir = f"runs/consensus-{acfg.label}", f"runs/embeddings-{acfg.label}"

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from .benchmark import StudentEncoder, TASK_NAMES, evaluate, evaluate_views, hub_eval_results, load_sts_task, sts_unavailable
-from .core import (RunDir, atomic_write_json, autocast, code_version, dist_world as _world, emit_plan, keep_run_locks, pick_device, pick_precision, set_seed, sha256_bytes, stage_hash)
+from .core import (RunDir, atomic_write_json, autocast, code_version, dist_world as _world, emit_plan, keep_run_locks, pick_device, pick_precision, set_seed, sha256_bytes, stage, stage_hash)
 from .data import TokenStore, cache_dir, collate, load_tokenizer, runs_dir, sorted_batches, token_store
 from .encoder import CaptionEncoder, EncoderConfig, n_params
 from .hf import export_pretrained, verify_export, write_model_card
@@ -108,10 +108,11 @@ def export_run(run: RunDir, # a completed run
                encoder_config=None # its EncoderConfig; None: the one its config.json records
               ) -> Path:
     "The run's final weights, checked against its manifest, as a Hugging Face folder `<run>/export`."
-    path = run.verify(run.path / "checkpoints" / "final.safetensors")
-    final = CaptionEncoder(encoder_config if encoder_config is not None else EncoderConfig(**run.config["encoder"]))
-    final.load_state_dict(load_file(str(path)))
-    return export_pretrained(final, load_tokenizer(), run.path / "export", card=run_card(run))
+    with stage("export"):
+        path = run.verify(run.path / "checkpoints" / "final.safetensors")
+        final = CaptionEncoder(encoder_config if encoder_config is not None else EncoderConfig(**run.config["encoder"]))
+        final.load_state_dict(load_file(str(path)))
+        return export_pretrained(final, load_tokenizer(), run.path / "export", card=run_card(run))
 
 def run_card(run: RunDir # a run directory
             ) -> dict:
