@@ -574,7 +574,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--batches", type=int, default=12, help="distinct batches timed per round")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--device", default=None)
-    ap.add_argument("--precision", default=None, help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on CPU)")
+    ap.add_argument("--precision", default=None, help="fp32, bf16, fp16 or native (bf16 where the device has it, CPUs too: the cpu training preset's; default: bf16 on CUDA, fp32 on CPU)")
     ap.add_argument("--peak-tflops", type=float, default=None, help="the device's peak dense TFLOP/s, for MFU")
     ap.add_argument("--profile", action="store_true", help="instead of timing, profile --profile-steps steps of each model (CPU only): "
                     "the share of step time in matrix multiplies")
