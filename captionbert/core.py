@@ -76,9 +76,9 @@ def pick_device(prefer: str | None = None # "cuda", "cpu", "mps", or None for th
 NATIVE = "native"   # a precision request: bf16 wherever the device computes it natively, CPUs with bf16 instructions included
 
 def cpu_has_bf16() -> bool:
-    "Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX, as oneDNN reports): bf16 GEMMs ran 2.2x fp32's here (05a)."
-    try: return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError): return False    # a build without the query: not assumed
+    "Whether this CPU has bf16 instructions (x86 AVX512-BF16 or AMX tiles, as torch.cpu reads CPUID); plain AVX-512 only emulates bf16, slowly."
+    try: return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except (AttributeError, RuntimeError): return False    # a torch without the query, or another architecture: not assumed
 
 def pick_precision(device: torch.device | str, # the run's device
                    prefer: str | None = None # "fp32", "bf16", "fp16"; None: the device's default; "native": bf16 where the device has it (CPUs too)
@@ -120,8 +120,9 @@ class StageClock:
     def __init__(self):
         self.seconds: dict[str, float] = {}; self._stack: list = []; self._t0 = self._mark = None; self.wall = None
     def start(self) -> "StageClock":
-        "Run this clock: `stage` records into it (the newest running clock) from now until stop()."
+        "Run this clock: `stage` records into it (the newest running clock) from now until stop(). A clock runs once."
         if self in _CLOCKS: raise RuntimeError("this StageClock is already running")
+        if self._t0 is not None: raise RuntimeError("this StageClock has run already: start a new one")
         self._t0 = self._mark = time.perf_counter(); _CLOCKS.append(self); return self
     def stop(self) -> "StageClock":
         if self not in _CLOCKS: raise RuntimeError("this StageClock is not running: start() it first")
@@ -149,6 +150,7 @@ class StageClock:
 def stage(name: str # the stage: tokenize, embed, align, consensus, train, export, score (or one's own)
          ):
     "Charge the enclosed work to `name` on the running StageClock (none running: nothing happens)."
+    if name == "other": raise ValueError("'other' is what no stage claims: name the stage")
     clock = _CLOCKS[-1] if _CLOCKS else None
     if clock is None: yield; return
     clock._charge(); clock._stack.append(name)

@@ -5,9 +5,10 @@
 
 # %% auto #0
 __all__ = ['SIZE_TO_ARCH', 'FFN_KINDS', 'PACK_FFN_ABOVE', 'ATTENTION_KINDS', 'ATTENTION_OPTIONS', 'PART_MODULES', 'EncoderConfig',
-           'Attention', 'attend', 'unpad_index', 'jagged_attention', 'DenseFFN', 'routing_spec', 'read_routing_spec',
-           'AnchoredFFN', 'Block', 'TokenLocal', 'register_attention', 'attention_kind', 'encoder_parts',
-           'import_parts', 'EncoderOutput', 'CaptionEncoder', 'set_residual_hook', 'n_params', 'own_storage']
+           'Attention', 'attention_dtype', 'attend', 'unpad_index', 'jagged_attention', 'DenseFFN', 'routing_spec',
+           'read_routing_spec', 'AnchoredFFN', 'Block', 'TokenLocal', 'register_attention', 'attention_kind',
+           'encoder_parts', 'import_parts', 'EncoderOutput', 'CaptionEncoder', 'set_residual_hook', 'n_params',
+           'own_storage']
 
 # %% ../nbs/01b_encoder.ipynb #915b9118
 import dataclasses, importlib, math, warnings
@@ -111,14 +112,19 @@ class Attention(nn.Module):
             o = attend(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
         return self.out(o.transpose(1, 2).reshape(B, L, D)), w
 
+def attention_dtype(q: torch.Tensor # attention's queries
+                   ) -> Optional[torch.dtype]:
+    "The dtype attention's scores run in: fp32 for bf16 or fp16 queries on a CPU (the CPU's reduced-precision flash kernel's backward is several times its fp32 one's: `python -m captionbert.perf --profile --precision bf16`); None: the queries' own."
+    return torch.float32 if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) else None
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, # [B, H, L, hd] each (or nested: jagged_attention)
            **kw # scaled_dot_product_attention's: attn_mask, dropout_p
           ) -> torch.Tensor:
-    "SDPA; on a CPU in bf16 or fp16 (autocast) the scores and their backward run in fp32: the CPU's reduced-precision flash kernel's backward took 6x fp32's time (05a's profile), and the result returns in the inputs' dtype."
-    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
-        with torch.autocast("cpu", enabled=False):
-            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kw).to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, **kw)
+    "SDPA, its scores in attention_dtype (autocast off there), the result in the inputs' dtype."
+    dt = attention_dtype(q)
+    if dt is None: return F.scaled_dot_product_attention(q, k, v, **kw)
+    with torch.autocast(q.device.type, enabled=False):
+        return F.scaled_dot_product_attention(q.to(dt), k.to(dt), v.to(dt), **kw).to(q.dtype)
 
 def unpad_index(token_mask: torch.Tensor, # [B, L] bool
                 real_index: torch.Tensor # [T] the flat positions of its real tokens (the encoder's, computed once a forward)

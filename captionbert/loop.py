@@ -29,11 +29,11 @@ from .gauges import effective_rank, mimicry_r1, query_set_report, self_cosine
 from .teachers import roster_label, roster_text
 
 # %% auto #0
-__all__ = ['COMPILE_BACKENDS', 'TokenizedCorpus', 'FUSED_ADAM_DEVICES', 'RESUME_LOG', 'WHERE_KEYS', 'MEMORY_KEYS', 'TrainConfig',
-           'summed_lr', 'lr_at', 'BatchPlan', 'unwrap_model', 'param_groups', 'TrainStep', 'save_weights',
-           'latest_checkpoint', 'load_checkpoint', 'resume_checkpoint', 'set_aside_newer', 'NothingToTrain',
-           'config_changes', 'config_defaults', 'recipe_changes', 'check_resume_config', 'TrainResult', 'train',
-           'ConsensusLoss', 'frame_gap', 'frame_gap_floor', 'mimicry_line', 'ConsensusGauges']
+__all__ = ['COMPILE_BACKENDS', 'TokenizedCorpus', 'FUSED_ADAM_DEVICES', 'RESUME_LOG', 'WHERE_KEYS', 'MEMORY_KEYS',
+           'DEVICE_CHOICE', 'TrainConfig', 'summed_lr', 'lr_at', 'BatchPlan', 'unwrap_model', 'param_groups',
+           'TrainStep', 'save_weights', 'latest_checkpoint', 'load_checkpoint', 'resume_checkpoint', 'set_aside_newer',
+           'NothingToTrain', 'config_changes', 'config_defaults', 'recipe_changes', 'check_resume_config',
+           'TrainResult', 'train', 'ConsensusLoss', 'frame_gap', 'frame_gap_floor', 'mimicry_line', 'ConsensusGauges']
 
 # %% ../nbs/05_loop.ipynb #c11b275e
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")   # torch.compile backends a training run may name (dynamo also lists test and minifier ones)
@@ -111,7 +111,7 @@ class TrainConfig:
     @classmethod
     def v2b(cls, **kw): return cls.v2(**{"name": "v2b", "max_steps": 62_312, "train_rows": None, **kw})
     @classmethod
-    def cpu(cls, **kw): return cls(**{"name": "cpu", "precision": NATIVE, **kw})   # bf16 where this CPU has it: 1.8x fp32's step (05a)
+    def cpu(cls, **kw): return cls(**{"name": "cpu", "precision": NATIVE, **kw})   # bf16 where the CPU has bf16 instructions (perf --all: the step at native vs fp32)
     @classmethod
     def smoke(cls, **kw): return cls(**{"name": "smoke", "encoder": "tiny", "alignment": "smoke", "batch_size": 32, "max_steps": 40,
                                        "warmup_steps": 5, "eval_every": 20, "eval_rows": 256, "ckpt_every_steps": 20, "log_every": 5, **kw})
@@ -193,7 +193,7 @@ def param_groups(model: torch.nn.Module, # the model being trained
     groups = [{"params": list(rest.values()), "lr": cfg.lr, "name": "recipe"}] + scaled
     return [g for g in groups if g["params"]]
 
-FUSED_ADAM_DEVICES = ("cuda", "cpu")   # where Adam takes its fused kernel: on this CPU 8 ms a step of the cpu student, not the loop's 39 (05a)
+FUSED_ADAM_DEVICES = ("cuda", "cpu")   # where Adam takes its fused kernel (a CPU's since torch 2.4): one pass over the weights, not a for-each op chain
 
 class TrainStep:
     "The one loop's step and the state it steps: forward and loss under autocast, the NaN guards, backward (scaler), clip, Adam on param_groups, zero_grad, the schedule."
@@ -397,13 +397,20 @@ def _added_at_default(k: str, was: dict, now: dict, defaults: dict # config_defa
     head, _, name = k.rpartition(".")
     return k not in was and k in now and name in defaults.get(head, {}) and now[k] == defaults[head][name]
 
+DEVICE_CHOICE = (None, NATIVE)   # precision requests that leave the choice to the device (core.pick_precision); what it chose is the run's `precision`
+
+def _device_choice(k: str, v: list) -> bool:
+    "A change of train.precision between two requests that leave the choice to the device (None and native)."
+    return k == "train.precision" and v[0] in DEVICE_CHOICE and v[1] in DEVICE_CHOICE
+
 def recipe_changes(old: dict, # a finished run's config (JSON: its encoder and train sections, ...)
                    new: dict, # the config a plan expects of it
                    defaults: Optional[dict] = None # as for check_resume_config
                   ) -> dict:
-    "config_changes less what cannot change what a run computed: a field added since it was written, at its default, and MEMORY_KEYS (how its step fit a card)."
+    "config_changes less what cannot change what a run computed: a field added since it was written, at its default, MEMORY_KEYS (how its step fit a card), and a precision request that leaves the choice to the device either way (None, native: the cpu preset's request before and after it became native)."
     was, now, defaults = _flat(old), _flat(new), config_defaults() if defaults is None else defaults
-    return {k: v for k, v in config_changes(old, new).items() if k not in MEMORY_KEYS and not _added_at_default(k, was, now, defaults)}
+    return {k: v for k, v in config_changes(old, new).items()
+            if k not in MEMORY_KEYS and not _added_at_default(k, was, now, defaults) and not _device_choice(k, v)}
 
 def check_resume_config(old: dict, # the checkpoint's run config
                         new: dict, # this call's run config
@@ -411,9 +418,10 @@ def check_resume_config(old: dict, # the checkpoint's run config
                         where: str = "the checkpoint", # named in the error
                         defaults: Optional[dict] = None # {"encoder": {field: default}, ...}; None: config_defaults()
                        ) -> dict:
-    "The changes between a checkpoint's config and this call's; GuardError listing the keys unless each is allowed."
+    "The changes between a checkpoint's config and this call's; GuardError listing the keys unless each is allowed. A precision request that leaves the choice to the device (None, native) is no change while the precision resolved is the same; where it differs, `precision` is the change."
     was, now, defaults = _flat(old), _flat(new), config_defaults() if defaults is None else defaults
-    changes = {k: v for k, v in config_changes(old, new).items() if not _added_at_default(k, was, now, defaults)}
+    changes = {k: v for k, v in config_changes(old, new).items() if not _added_at_default(k, was, now, defaults)
+               and not (_device_choice(k, v) and was.get("precision") == now.get("precision"))}
     def allowed(k):
         if k == "train.lr_scales" or k.startswith("train.lr_scales."): return False   # the optimizer's groups are restored as saved: never changed on resume
         return (allow_changes is True or k.split(".")[0] in WHERE_KEYS or k in MEMORY_KEYS

@@ -22,18 +22,18 @@ from .data import Batch, LengthBucketSampler, bundled_minilm_path, collate, load
 from .benchmark import TASK_NAMES, load_sts_task, minilm_encoder
 from .embed import EmbeddingStore, embed_corpus
 from .sources import default_captions
-from .encoder import PACK_FFN_ABOVE, CaptionEncoder, EncoderConfig, EncoderOutput, n_params
+from .encoder import PACK_FFN_ABOVE, CaptionEncoder, EncoderConfig, EncoderOutput, attention_dtype, n_params
 from .teachers import mean_pool
 from .loop import FUSED_ADAM_DEVICES, ConsensusLoss, TrainConfig, TrainStep
 from .recipe import fit_memory, train_memory_estimate
 
 # %% auto #0
-__all__ = ['PARAM_TOLERANCE', 'STEP', 'MATMUL_OPS', 'BF16_PEAK_TFLOPS', 'PROGRAM_V2', 'LENGTH_MIX', 'BertTwin', 'check_same_size',
-           'step_loss', 'summarize', 'train_step_benchmark', 'pair_step_benchmark', 'routed_step_benchmark',
-           'padded_batch', 'ffn_packing_sweep', 'profile_step', 'caption_batches', 'layer_flops_per_token',
-           'flops_per_token', 'model_flops_per_step', 'activation_memory', 'matmul_peak', 'encode_benchmark',
-           'device_peak_tflops', 'synthetic_lengths', 'synthetic_batch', 'gpu_check', 'record_ffn_packing',
-           'speed_figures', 'main']
+__all__ = ['PARAM_TOLERANCE', 'STEP', 'MATMUL_OPS', 'TWIN_ATTENTION', 'BF16_PEAK_TFLOPS', 'PROGRAM_V2', 'LENGTH_MIX',
+           'twin_attention', 'BertTwin', 'check_same_size', 'step_loss', 'summarize', 'train_step_benchmark',
+           'pair_step_benchmark', 'routed_step_benchmark', 'padded_batch', 'ffn_packing_sweep', 'profile_step',
+           'caption_batches', 'layer_flops_per_token', 'flops_per_token', 'model_flops_per_step', 'activation_memory',
+           'matmul_peak', 'encode_benchmark', 'device_peak_tflops', 'synthetic_lengths', 'synthetic_batch', 'gpu_check',
+           'record_ffn_packing', 'speed_figures', 'main']
 
 # %% ../nbs/05a_perf.ipynb #adcdd9ae
 PARAM_TOLERANCE = 0.01  # the twin's parameter count may differ from the encoder's by at most this fraction of it
@@ -41,11 +41,28 @@ STEP = ("loop.TrainStep, the one loop's step: forward + ConsensusLoss + NaN guar
         "Adam step (loop.param_groups: lr_scales) + zero_grad + schedule step")   # one timed step
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear", "aten::mv", "aten::addmv")
 
+TWIN_ATTENTION = "captionbert_sdpa"   # the twin's attention under the encoder's precision rule, registered with transformers' AttentionInterface
+
+def twin_attention(module, query, key, value, attention_mask, **kw):
+    "transformers' SDPA attention with its scores in encoder.attention_dtype (on a CPU in bf16: fp32, as the encoder's `attend`); the result in the queries' dtype."
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward   # deferred: heavy import (transformers)
+    dt = attention_dtype(query)
+    if dt is None: return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+    mask = attention_mask.to(dt) if attention_mask is not None and attention_mask.is_floating_point() else attention_mask
+    with torch.autocast(query.device.type, enabled=False):
+        o, w = sdpa_attention_forward(module, query.to(dt), key.to(dt), value.to(dt), mask, **kw)
+    return o.to(query.dtype), w
+
 class BertTwin(nn.Module):
     "transformers.BertModel (SDPA, no pooler) with CaptionEncoder's readout, head and output type: mean pool -> Linear -> GELU -> Linear -> L2 normalize."
-    def __init__(self, cfg: EncoderConfig):
+    def __init__(self, cfg: EncoderConfig,
+                 attention: str = "sdpa" # "sdpa": transformers' own; "attend": its scores under the encoder's precision rule (twin_attention)
+                ):
         super().__init__()
-        from transformers import BertConfig, BertModel   # deferred: heavy import (transformers)
+        from transformers import AttentionInterface, BertConfig, BertModel   # deferred: heavy import (transformers)
+        if attention not in ("sdpa", "attend"): raise ValueError(f"BertTwin attention {attention!r}: 'sdpa' (transformers' own) or 'attend' (the encoder's precision rule)")
+        if attention == "attend": AttentionInterface.register(TWIN_ATTENTION, twin_attention)
+        impl = "sdpa" if attention == "sdpa" else TWIN_ATTENTION
         bad = {k: getattr(cfg, k) for k, want in (("position", "learned"), ("ffn", "dense"), ("readout", "mean")) if getattr(cfg, k) != want}
         if bad: raise ValueError(f"BertTwin matches only the encoder with learned positions, a dense FFN and the mean readout; this config has {bad}. "
                                  "Benchmark that trunk, or give BertTwin the part first.")
@@ -53,9 +70,9 @@ class BertTwin(nn.Module):
         bc = BertConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
                         intermediate_size=cfg.ffn_hidden, max_position_embeddings=cfg.max_positions, hidden_dropout_prob=cfg.dropout,
                         attention_probs_dropout_prob=cfg.dropout, layer_norm_eps=cfg.layer_norm_eps, pad_token_id=cfg.pad_token_id,
-                        attn_implementation="sdpa")
+                        attn_implementation=impl)
         self.bert = BertModel(bc, add_pooling_layer=False)
-        assert self.bert.config._attn_implementation == "sdpa", self.bert.config._attn_implementation
+        assert self.bert.config._attn_implementation == impl, self.bert.config._attn_implementation
         if cfg.gradient_checkpointing: self.bert.gradient_checkpointing_enable()
         self.head = nn.Sequential(nn.Linear(cfg.hidden, cfg.head_hidden), nn.GELU(), nn.Linear(cfg.head_hidden, cfg.out_dim))
         for m in self.head:
@@ -138,7 +155,7 @@ def _alternate(models: dict, # name -> model, in training mode on `device`
     names, steps = list(models), []
     for r in range(rounds):
         for i, b in enumerate(batches):
-            order = names if (i + r) % 2 == 0 else names[::-1]              # alternate who goes first
+            k0 = (i + r) % len(names); order = names[k0:] + names[:k0]         # each model goes first in turn
             rec = {"round": r, "batch": i, "first": order[0], "rows": int(b.input_ids.shape[0]), "length": int(b.input_ids.shape[1])}
             for k in order:
                 s, tokens = _step(models[k], trainers[k], loss, b)
@@ -152,15 +169,17 @@ def train_step_benchmark(cfg: EncoderConfig, # the architecture to measure
                          rounds: int = 3, # passes over the batches; each model alternates per batch
                          warmup: int = 2, # untimed steps per model first (they also allocate Adam's state)
                          train_cfg: TrainConfig | None = None, # the recipe each model's TrainStep steps with (default: TrainConfig())
-                         twin_precisions: Sequence[str] = () # more twins, each at one of these precisions, in the same interleaved record
+                         twin_precisions: Sequence[str] = (), # more twins, each at one of these precisions, in the same interleaved record
+                         twin_attend: bool = False # one more twin, at `precision`, its attention under the encoder's precision rule ("bert+attend")
                         ) -> dict:
-    "Full training-step throughput of CaptionEncoder and its BertTwin on the same batches, and their ratio; with `twin_precisions`, also against the twin at each, and against the twin at its fastest (`vs_fastest_bert`)."
+    "Full training-step throughput of CaptionEncoder and its BertTwin on the same batches, and their ratio; with `twin_precisions` and `twin_attend`, also against those twins, and against the fastest twin (`vs_fastest_bert`)."
     device = pick_device(device); precision = pick_precision(device, precision); tc = train_cfg or TrainConfig()
     models, params = _pair(cfg, device)
     precisions = {"captionbert": precision, "bert": precision}
     for p in dict.fromkeys(pick_precision(device, x) for x in twin_precisions):
         if p != precision:                                              # a twin of its own, seeded alike, at that precision
             set_seed(0); models[f"bert@{p}"] = BertTwin(cfg).to(device).train(); precisions[f"bert@{p}"] = p
+    if twin_attend: set_seed(0); models["bert+attend"] = BertTwin(cfg, attention="attend").to(device).train(); precisions["bert+attend"] = precision
     batches = [b.to(device) for b in batches]
     steps = _alternate(models, batches, device, precisions, tc, rounds, warmup)
     out = summarize(steps)
@@ -548,7 +567,7 @@ def speed_figures(preset: str = "cpu", batch_size: int = 256, n_batches: int = 1
     "Every ratio issue 27 reads, measured in one run on this machine: the training step against the BertModel twin (pair median, p10-p90) with each model's matmul share, the embed stage and the harness against sentence-transformers with the matmul peak."
     cfg = EncoderConfig.preset(preset)
     batches, pad, src = caption_batches(batch_size, n_batches)
-    step = train_step_benchmark(cfg, batches, device="cpu", precision=NATIVE, rounds=rounds, twin_precisions=("fp32",))   # the cpu preset's precision; the twin also at fp32
+    step = train_step_benchmark(cfg, batches, device="cpu", precision=NATIVE, rounds=rounds, twin_precisions=("fp32",), twin_attend=True)   # the cpu preset's precision; twins also at fp32 and with the encoder's attention rule
     prof = profile_step(cfg, batches, device="cpu", precision=NATIVE, steps=profile_steps, top=5)
     caps = list(default_captions(limit=captions, verbose=False))
     try: pool, why = sorted({s for t in TASK_NAMES for d in [load_sts_task(t)] for s in (*d.sentence1, *d.sentence2)}), None   # read once
@@ -556,8 +575,9 @@ def speed_figures(preset: str = "cpu", batch_size: int = 256, n_batches: int = 1
     sents = [pool[i] for i in sorted(np.random.default_rng(0).permutation(len(pool))[:sentences])]
     enc = encode_benchmark(caps, sents)
     return {"preset": preset, "batch_size": batch_size, "captions": repr(src), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "train_step": {"precision": step["precision"], "ratio_vs_bert": step["train_step_ratio_vs_bert"], "pair_ratio_median": step["pair_ratio_median"],
-                           "pair_ratio_p10_p90": step["pair_ratio_p10_p90"], "vs_fastest_bert": step["vs_fastest_bert"],
+            "train_step": {"precision": step["precision"], "vs_fastest_bert": step["vs_fastest_bert"],                 # the fair figure: against the fastest twin
+                           "ratio_vs_bert": step["train_step_ratio_vs_bert"], "pair_ratio_median": step["pair_ratio_median"],   # against the stock twin at the same precision
+                           "pair_ratio_p10_p90": step["pair_ratio_p10_p90"],
                            "step_ms": {k: step[k]["median_step_ms"] for k in step if k.startswith(("captionbert", "bert")) and isinstance(step[k], dict)},
                            "rounds": rounds, "batches": len(batches),
                            "matmul_share": {k: prof[k]["matmul_share"] for k in ("captionbert", "bert")},

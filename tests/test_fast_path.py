@@ -62,7 +62,7 @@ def test_fused_adam_steps_the_weights_the_plain_adam_does():
 
 
 def test_train_step_takes_fused_adam_on_cuda_and_cpu():
-    "TrainStep's own choice, read off the optimizer it builds: fused on CUDA and on a CPU (8 ms a step of the cpu student, not 39), the for-each Adam elsewhere (the CUDA and MPS steps are built with the kernel disabled, so no GPU is needed)."
+    "TrainStep's own choice, read off the optimizer it builds: fused on CUDA and on a CPU (loop.FUSED_ADAM_DEVICES), the for-each Adam elsewhere (the CUDA and MPS steps are built with the kernel disabled, so no GPU is needed)."
     real_adam, asked = torch.optim.Adam, []
     def recording(*a, **k): asked.append(k.get("fused")); return real_adam(*a, **{**k, "fused": False})
     set_seed(0); model = CaptionEncoder(EncoderConfig.tiny())
