@@ -399,9 +399,13 @@ def _added_at_default(k: str, was: dict, now: dict, defaults: dict # config_defa
 
 DEVICE_CHOICE = (None, NATIVE)   # precision requests that leave the choice to the device (core.pick_precision); what it chose is the run's `precision`
 
-def _device_choice(k: str, v: list) -> bool:
-    "A change of train.precision between two requests that leave the choice to the device (None and native)."
-    return k == "train.precision" and v[0] in DEVICE_CHOICE and v[1] in DEVICE_CHOICE
+def _device_choice(k: str, v: list, was: dict, now: dict, # a change, and the two flat configs
+                   sections_only: bool # True: configs of sections alone (a plan's backbone check), where neither carries the resolved precision
+                  ) -> bool:
+    "A change of train.precision between two requests that leave the choice to the device (None, native) that resolved alike: the configs' `precision` equal, or, comparing sections only, carried by neither."
+    if not (k == "train.precision" and v[0] in DEVICE_CHOICE and v[1] in DEVICE_CHOICE): return False
+    if "precision" in was and "precision" in now: return was["precision"] == now["precision"]
+    return sections_only and "precision" not in was and "precision" not in now
 
 def recipe_changes(old: dict, # a finished run's config (JSON: its encoder and train sections, ...)
                    new: dict, # the config a plan expects of it
@@ -410,7 +414,7 @@ def recipe_changes(old: dict, # a finished run's config (JSON: its encoder and t
     "config_changes less what cannot change what a run computed: a field added since it was written, at its default, MEMORY_KEYS (how its step fit a card), and a precision request that leaves the choice to the device either way (None, native: the cpu preset's request before and after it became native)."
     was, now, defaults = _flat(old), _flat(new), config_defaults() if defaults is None else defaults
     return {k: v for k, v in config_changes(old, new).items()
-            if k not in MEMORY_KEYS and not _added_at_default(k, was, now, defaults) and not _device_choice(k, v)}
+            if k not in MEMORY_KEYS and not _added_at_default(k, was, now, defaults) and not _device_choice(k, v, was, now, sections_only=True)}
 
 def check_resume_config(old: dict, # the checkpoint's run config
                         new: dict, # this call's run config
@@ -421,7 +425,7 @@ def check_resume_config(old: dict, # the checkpoint's run config
     "The changes between a checkpoint's config and this call's; GuardError listing the keys unless each is allowed. A precision request that leaves the choice to the device (None, native) is no change while the precision resolved is the same; where it differs, `precision` is the change."
     was, now, defaults = _flat(old), _flat(new), config_defaults() if defaults is None else defaults
     changes = {k: v for k, v in config_changes(old, new).items() if not _added_at_default(k, was, now, defaults)
-               and not (_device_choice(k, v) and was.get("precision") == now.get("precision"))}
+               and not _device_choice(k, v, was, now, sections_only=False)}
     def allowed(k):
         if k == "train.lr_scales" or k.startswith("train.lr_scales."): return False   # the optimizer's groups are restored as saved: never changed on resume
         return (allow_changes is True or k.split(".")[0] in WHERE_KEYS or k in MEMORY_KEYS

@@ -59,9 +59,11 @@ class BertTwin(nn.Module):
                  attention: str = "sdpa" # "sdpa": transformers' own; "attend": its scores under the encoder's precision rule (twin_attention)
                 ):
         super().__init__()
-        from transformers import AttentionInterface, BertConfig, BertModel   # deferred: heavy import (transformers)
+        from transformers import AttentionInterface, AttentionMaskInterface, BertConfig, BertModel   # deferred: heavy import (transformers)
+        from transformers.masking_utils import sdpa_mask
         if attention not in ("sdpa", "attend"): raise ValueError(f"BertTwin attention {attention!r}: 'sdpa' (transformers' own) or 'attend' (the encoder's precision rule)")
-        if attention == "attend": AttentionInterface.register(TWIN_ATTENTION, twin_attention)
+        if attention == "attend":                                       # the attention and its mask: without a mask function transformers passes no mask at all
+            AttentionInterface.register(TWIN_ATTENTION, twin_attention); AttentionMaskInterface.register(TWIN_ATTENTION, sdpa_mask)
         impl = "sdpa" if attention == "sdpa" else TWIN_ATTENTION
         bad = {k: getattr(cfg, k) for k, want in (("position", "learned"), ("ffn", "dense"), ("readout", "mean")) if getattr(cfg, k) != want}
         if bad: raise ValueError(f"BertTwin matches only the encoder with learned positions, a dense FFN and the mean readout; this config has {bad}. "

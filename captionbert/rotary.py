@@ -126,8 +126,9 @@ def completed_option_run(cfg: RotaryConfig, # the study's size
     if not ck["completed"] or ck["step"] < tc.max_steps: return None      # unfinished (or asked to go further): the loop resumes it
     rc = run.config
     enc = dataclasses.replace(cfg.encoder_config(option, **encoder_overrides), out_dim=rc["encoder"]["out_dim"])
-    want = to_jsonable({"seed": seed, "encoder": enc, "train": tc, "data_fraction": cfg.train_fraction})
-    changed = recipe_changes({**{k: rc.get(k) for k in ("seed", "encoder", "train")}, "data_fraction": rc["corpus"]["data_fraction"]}, want)
+    want = to_jsonable({"seed": seed, "encoder": enc, "train": tc, "data_fraction": cfg.train_fraction,
+                        **({"precision": pick_precision(pick_device(device), tc.precision)} if "precision" in rc else {})})   # what this study would resolve here
+    changed = recipe_changes({**{k: rc.get(k) for k in ("seed", "encoder", "train", "precision") if k in rc}, "data_fraction": rc["corpus"]["data_fraction"]}, want)
     if changed: raise GuardError(f"{run_dir} holds a complete run, but not of option {option} seed {seed} at the {cfg.name} size: {changed}. "
                                  "Give this study its own run folder, or delete that run to train it again.")
     spec = rc["targets"] if targets in ("auto", "build") else targets
