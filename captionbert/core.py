@@ -17,11 +17,11 @@ from safetensors import safe_open
 from . import __version__
 
 # %% auto #0
-__all__ = ['PRECISIONS', 'NATIVE', 'FAULT_VAR', 'FAULT_KINDS', 'SIZES', 'PLAN_KEYS', 'repo_root', 'interactive_session',
-           'GuardError', 'set_seed', 'pick_device', 'cpu_has_bf16', 'pick_precision', 'planned_precision', 'autocast',
-           'dist_world', 'StageClock', 'stage', 'fault_point', 'sha256_file', 'sha256_bytes', 'current_umask',
-           'atomic_path', 'temporary_writer', 'atomic_write_bytes', 'check_writable', 'to_jsonable',
-           'atomic_write_json', 'read_safetensors', 'read_lines', 'folder_lock', 'pid_alive', 'RunLock',
+__all__ = ['PRECISIONS', 'NATIVE', 'DEVICE_CHOICE', 'FAULT_VAR', 'FAULT_KINDS', 'SIZES', 'PLAN_KEYS', 'repo_root',
+           'interactive_session', 'GuardError', 'set_seed', 'pick_device', 'cpu_has_bf16', 'pick_precision',
+           'planned_precision', 'autocast', 'dist_world', 'StageClock', 'stage', 'fault_point', 'sha256_file',
+           'sha256_bytes', 'current_umask', 'atomic_path', 'temporary_writer', 'atomic_write_bytes', 'check_writable',
+           'to_jsonable', 'atomic_write_json', 'read_safetensors', 'read_lines', 'folder_lock', 'pid_alive', 'RunLock',
            'keep_run_locks', 'code_version', 'stage_hash', 'resolve_preset', 'Presets', 'member_of', 'emit_plan',
            'stale_temporaries', 'remove_temporaries', 'RunDir']
 
@@ -74,6 +74,7 @@ def pick_device(prefer: str | None = None # "cuda", "cpu", "mps", or None for th
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 NATIVE = "native"   # a precision request: bf16 wherever the device computes it natively, CPUs with bf16 instructions included
+DEVICE_CHOICE = (None, NATIVE)   # the precision requests that leave the choice to the device; what it chose is a run's resolved `precision`
 
 def cpu_has_bf16() -> bool:
     "Whether this CPU has bf16 instructions (x86 AVX512-BF16 or AMX tiles, as torch.cpu reads CPUID); plain AVX-512 only emulates bf16, slowly."
@@ -95,7 +96,7 @@ def planned_precision(device_type: str, # "cuda" (a card the plan assumes: bf16-
                       prefer: str | None = None # a recipe's precision (TrainConfig.precision)
                      ) -> str:
     "The precision a run would resolve, for a plan: no CUDA device is queried (a card is assumed bf16-capable); a CPU answers for itself."
-    if device_type == "cuda": return "bf16" if prefer in (None, NATIVE) else pick_precision("cuda", prefer)
+    if device_type == "cuda": return "bf16" if prefer in DEVICE_CHOICE else pick_precision("cuda", prefer)
     return pick_precision(device_type, prefer)
 
 def autocast(device: torch.device | str, # the run's device

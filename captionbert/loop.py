@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from .alignment import AlignmentConfig, captions_label, captions_spec
 from .benchmark import pooled_outputs
-from .core import (NATIVE, GuardError, RunDir, atomic_path, atomic_write_bytes, autocast, fault_point, pick_device, pick_precision, stage,
+from .core import (DEVICE_CHOICE, NATIVE, GuardError, RunDir, atomic_path, atomic_write_bytes, autocast, fault_point, pick_device, pick_precision, stage,
                               to_jsonable)
 from .data import Batch, LengthBucketSampler, TokenStore
 from .encoder import CaptionEncoder, EncoderConfig
@@ -29,11 +29,11 @@ from .gauges import effective_rank, mimicry_r1, query_set_report, self_cosine
 from .teachers import roster_label, roster_text
 
 # %% auto #0
-__all__ = ['COMPILE_BACKENDS', 'TokenizedCorpus', 'FUSED_ADAM_DEVICES', 'RESUME_LOG', 'WHERE_KEYS', 'MEMORY_KEYS',
-           'DEVICE_CHOICE', 'TrainConfig', 'summed_lr', 'lr_at', 'BatchPlan', 'unwrap_model', 'param_groups',
-           'TrainStep', 'save_weights', 'latest_checkpoint', 'load_checkpoint', 'resume_checkpoint', 'set_aside_newer',
-           'NothingToTrain', 'config_changes', 'config_defaults', 'recipe_changes', 'check_resume_config',
-           'TrainResult', 'train', 'ConsensusLoss', 'frame_gap', 'frame_gap_floor', 'mimicry_line', 'ConsensusGauges']
+__all__ = ['COMPILE_BACKENDS', 'TokenizedCorpus', 'FUSED_ADAM_DEVICES', 'RESUME_LOG', 'WHERE_KEYS', 'MEMORY_KEYS', 'TrainConfig',
+           'summed_lr', 'lr_at', 'BatchPlan', 'unwrap_model', 'param_groups', 'TrainStep', 'save_weights',
+           'latest_checkpoint', 'load_checkpoint', 'resume_checkpoint', 'set_aside_newer', 'NothingToTrain',
+           'config_changes', 'config_defaults', 'recipe_changes', 'check_resume_config', 'TrainResult', 'train',
+           'ConsensusLoss', 'frame_gap', 'frame_gap_floor', 'mimicry_line', 'ConsensusGauges']
 
 # %% ../nbs/05_loop.ipynb #c11b275e
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")   # torch.compile backends a training run may name (dynamo also lists test and minifier ones)
@@ -396,8 +396,6 @@ def _added_at_default(k: str, was: dict, now: dict, defaults: dict # config_defa
     "A field added after the old config was written, at the value the old code had built in (flat dotted keys)."
     head, _, name = k.rpartition(".")
     return k not in was and k in now and name in defaults.get(head, {}) and now[k] == defaults[head][name]
-
-DEVICE_CHOICE = (None, NATIVE)   # precision requests that leave the choice to the device (core.pick_precision); what it chose is the run's `precision`
 
 def _device_choice(k: str, v: list, was: dict, now: dict, # a change, and the two flat configs
                    sections_only: bool # True: configs of sections alone (a plan's backbone check), where neither carries the resolved precision

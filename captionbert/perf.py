@@ -48,9 +48,8 @@ def twin_attention(module, query, key, value, attention_mask, **kw):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward   # deferred: heavy import (transformers)
     dt = attention_dtype(query)
     if dt is None: return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
-    mask = attention_mask.to(dt) if attention_mask is not None and attention_mask.is_floating_point() else attention_mask
-    with torch.autocast(query.device.type, enabled=False):
-        o, w = sdpa_attention_forward(module, query.to(dt), key.to(dt), value.to(dt), mask, **kw)
+    with torch.autocast(query.device.type, enabled=False):              # the mask is sdpa_mask's boolean one (registered beside it)
+        o, w = sdpa_attention_forward(module, query.to(dt), key.to(dt), value.to(dt), attention_mask, **kw)
     return o.to(query.dtype), w
 
 class BertTwin(nn.Module):
@@ -59,10 +58,15 @@ class BertTwin(nn.Module):
                  attention: str = "sdpa" # "sdpa": transformers' own; "attend": its scores under the encoder's precision rule (twin_attention)
                 ):
         super().__init__()
-        from transformers import AttentionInterface, AttentionMaskInterface, BertConfig, BertModel   # deferred: heavy import (transformers)
-        from transformers.masking_utils import sdpa_mask
+        from transformers import BertConfig, BertModel   # deferred: heavy import (transformers)
         if attention not in ("sdpa", "attend"): raise ValueError(f"BertTwin attention {attention!r}: 'sdpa' (transformers' own) or 'attend' (the encoder's precision rule)")
         if attention == "attend":                                       # the attention and its mask: without a mask function transformers passes no mask at all
+            import transformers, transformers.models.bert.modeling_bert as mb
+            try: from transformers import AttentionInterface, AttentionMaskInterface; from transformers.masking_utils import sdpa_mask
+            except ImportError: AttentionMaskInterface = None
+            if AttentionMaskInterface is None or not hasattr(mb, "ALL_ATTENTION_FUNCTIONS"):   # BERT must dispatch through the registry, with a mask function
+                raise RuntimeError(f"BertTwin(attention='attend') needs a transformers whose BertModel dispatches attention through AttentionInterface "
+                                   f"with AttentionMaskInterface (this one: {transformers.__version__}; tested: 5.24); use attention='sdpa'")
             AttentionInterface.register(TWIN_ATTENTION, twin_attention); AttentionMaskInterface.register(TWIN_ATTENTION, sdpa_mask)
         impl = "sdpa" if attention == "sdpa" else TWIN_ATTENTION
         bad = {k: getattr(cfg, k) for k, want in (("position", "learned"), ("ffn", "dense"), ("readout", "mean")) if getattr(cfg, k) != want}
@@ -568,9 +572,10 @@ def speed_figures(preset: str = "cpu", batch_size: int = 256, n_batches: int = 1
                   profile_steps: int = 3) -> dict:
     "Every ratio issue 27 reads, measured in one run on this machine: the training step against the BertModel twin (pair median, p10-p90) with each model's matmul share, the embed stage and the harness against sentence-transformers with the matmul peak."
     cfg = EncoderConfig.preset(preset)
-    batches, pad, src = caption_batches(batch_size, n_batches)
-    step = train_step_benchmark(cfg, batches, device="cpu", precision=NATIVE, rounds=rounds, twin_precisions=("fp32",), twin_attend=True)   # the cpu preset's precision; twins also at fp32 and with the encoder's attention rule
-    prof = profile_step(cfg, batches, device="cpu", precision=NATIVE, steps=profile_steps, top=5)
+    batches, _, src = caption_batches(batch_size, n_batches)
+    native = pick_precision("cpu", NATIVE)                              # the cpu preset's precision here; in fp32 the attention rule changes nothing
+    step = train_step_benchmark(cfg, batches, device="cpu", precision=native, rounds=rounds, twin_precisions=("fp32",), twin_attend=native != "fp32")
+    prof = profile_step(cfg, batches, device="cpu", precision=native, steps=profile_steps, top=5)
     caps = list(default_captions(limit=captions, verbose=False))
     try: pool, why = sorted({s for t in TASK_NAMES for d in [load_sts_task(t)] for s in (*d.sentence1, *d.sentence2)}), None   # read once
     except FileNotFoundError as e: pool, why = caps, str(e)

@@ -193,7 +193,7 @@ class ScreenConfig(Presets):
     name: str = "cpu"                 # the run size
     train_preset: str = "cpu"         # the 05_train preset (its targets, corpus and gauges)
     encoder: str = "cpu"              # the EncoderConfig architecture of every arm
-    recipe: tuple = (("max_steps", 300), ("warmup_steps", 30), ("eval_every", 25), ("precision", None))   # TrainConfig overrides, (key, value) pairs; fp32 on a CPU, as its record was measured (not the cpu preset's native)
+    recipe: tuple = (("max_steps", 300), ("warmup_steps", 30), ("eval_every", 25), ("precision", None))   # TrainConfig overrides, (key, value) pairs; fp32 on a CPU, the precision its record was measured at (not the cpu preset's native)
     arms: tuple = tuple(SCREEN_ARMS)  # the arms screened
     basin_rows: int = 128             # held-out rows the basin gauge reads at every evaluation
     PRESETS, SIZE_OF = ("smoke", "cpu"), "screen size"   # core.Presets: preset(name) builds each by its classmethod (CUDA runs the cpu size)
