@@ -25,11 +25,15 @@ from .data import collate, sorted_batches
 from .stats import band_verdict
 from .loop import TrainConfig
 from .train import run_consensus_training
+from .report import finding, results_record, table, verdict
+from .report import finding, results_record, table, verdict
 
 # %% auto #0
-__all__ = ['SPLAT_CURES', 'SPLAT_CELLS', 'SPLAT_TAU', 'SCREEN_ARMS', 'ATTENTION_BAND', 'splat_options', 'SplatAttention',
-           'peak_live_bytes', 'measure', 'scaling_benchmark', 'slope', 'ScreenConfig', 'basin_gauge', 'basin_extra',
-           'screen_dir', 'train_screen', 'screen_path', 'steps_to_reach', 'attention_verdict', 'screen_table']
+__all__ = ['SPLAT_CURES', 'SPLAT_CELLS', 'SPLAT_TAU', 'SUBSTRATES', 'RECALL_ROWS', 'SCREEN_ARMS', 'ATTENTION_BAND',
+           'COLLAPSE_BAR', 'CURE_MULTIPLE', 'ALL_THREE_BAR', 'STEPS_MULTIPLE', 'CURES', 'splat_options',
+           'SplatAttention', 'peak_live_bytes', 'measure', 'scaling_benchmark', 'slope', 'ScreenConfig', 'basin_gauge',
+           'basin_extra', 'screen_dir', 'train_screen', 'screen_path', 'steps_to_reach', 'attention_verdict',
+           'screen_table', 'recovery', 'screen_claims', 'screen_results']
 
 # %% ../nbs/10_block.ipynb #a049343b
 SPLAT_CURES = ("rope", "frame", "codebooks")   # the routing's own parameters; "splat" alone has all three, "splat:frozen" none
@@ -177,6 +181,9 @@ def slope(rows: list[dict], kind: str, key: str = "seconds") -> float:
     return math.log(b / a) / math.log(l1 / l0)
 
 # %% ../nbs/10_block.ipynb #ce78de1b
+SUBSTRATES = ("captions", "recall")   # what the screens learn: the train preset's own targets, or the recall teacher's bigrams on the scene grammar
+RECALL_ROWS = (24_000, 6_500)           # scene-grammar captions of the recall substrate: at cpu, at smoke
+
 SCREEN_ARMS = {   # the paired screens: label -> EncoderConfig.attention (same seed, data, batches and steps for every arm)
     "standard": "sdpa",              # the standard (SDPA) block: the reference the training gauge is matched against
     "attention-free": "none",        # the control that mixes no tokens (SDPA's parameters): does attention matter on this task at all?
@@ -196,19 +203,28 @@ class ScreenConfig(Presets):
     recipe: tuple = (("max_steps", 300), ("warmup_steps", 30), ("eval_every", 25), ("precision", None))   # TrainConfig overrides, (key, value) pairs; fp32 on a CPU, the precision its record was measured at (not the cpu preset's native)
     arms: tuple = tuple(SCREEN_ARMS)  # the arms screened
     basin_rows: int = 128             # held-out rows the basin gauge reads at every evaluation
-    PRESETS, SIZE_OF = ("smoke", "cpu"), "screen size"   # core.Presets: preset(name) builds each by its classmethod (CUDA runs the cpu size)
+    substrate: str = "captions"       # what the arms learn: "captions" (the train preset's roster and captions) or "recall" (SUBSTRATES)
+    PRESETS, SIZE_OF = ("smoke", "cpu", "recall"), "screen size"   # core.Presets: preset(name) builds each by its classmethod (CUDA runs the cpu size)
     @classmethod
     def smoke(cls, **kw):   # the tests: the code path, four arms
         return cls(**{"name": "smoke", "train_preset": "smoke", "encoder": "tiny", "recipe": (("max_steps", 20), ("eval_every", 10)), "basin_rows": 64,
                       "arms": ("standard", "attention-free", "collapse", "all three"), **kw})
     @classmethod
     def cpu(cls, **kw): return cls(**kw)   # every arm
+    @classmethod
+    def recall(cls, **kw):   # every arm on the recall substrate, at the cpu preset's native precision (bf16 where the CPU has it)
+        return cls(**{"name": "recall", "substrate": "recall", "recipe": (("max_steps", 300), ("warmup_steps", 30), ("eval_every", 25)), **kw})
     def __post_init__(self):
         bad = [a for a in self.arms if a not in SCREEN_ARMS]
         if bad: raise ValueError(f"unknown screen arms {bad}: the arms are {list(SCREEN_ARMS)}")
+        if self.substrate not in SUBSTRATES: raise ValueError(f"unknown screen substrate {self.substrate!r}: one of {list(SUBSTRATES)}")
+        if self.substrate != "captions" and {"roster", "captions"} & set(dict(self.recipe)):
+            raise ValueError(f"the {self.substrate!r} substrate names its own roster and captions; drop them from the recipe")
     def train_config(self, arm: str):
-        "The one TrainConfig every arm trains with (only the name differs)."
-        return dataclasses.replace(TrainConfig.preset(self.train_preset, **dict(self.recipe)), name=f"splat-{arm.replace(' ', '-')}-{self.name}")
+        "The one TrainConfig every arm trains with (only the name differs): the recipe, on the substrate's roster and captions."
+        rows = RECALL_ROWS[self.train_preset == "smoke"]
+        sub = {"roster": "recall", "captions": f"synthetic:{rows}"} if self.substrate == "recall" else {}
+        return dataclasses.replace(TrainConfig.preset(self.train_preset, **dict(self.recipe), **sub), name=f"splat-{arm.replace(' ', '-')}-{self.name}")
     def encoder_config(self, arm: str) -> EncoderConfig:
         "The arm's encoder: the architecture at this size with the arm's attention."
         return EncoderConfig.preset(self.encoder, attention=SCREEN_ARMS[arm])
@@ -317,3 +333,76 @@ def screen_table(paths: dict, # arm -> screen_path(...), with "standard", "atten
                     "peak_share": f.get("peak_share"), "anchor_cosine": f.get("anchor_cosine")})
     return out
 
+
+# %% ../nbs/10_block.ipynb #ad647230
+COLLAPSE_BAR, CURE_MULTIPLE, ALL_THREE_BAR, STEPS_MULTIPLE = 0.5, 2.0, 0.8, (2.0, 4.0)   # the claims' bars, declared before the first recall number
+CURES = ("rope", "frame", "codebooks")
+
+def recovery(paths: dict, # arm -> screen_path(...), with "standard" and "attention-free"
+             arm: str) -> float:
+    "An arm's final margin over the attention-free control, as a fraction of the standard block's (0: mixing nothing; 1: the standard block)."
+    free, std = paths["attention-free"][-1]["target_cosine"], paths["standard"][-1]["target_cosine"]
+    if std - free <= 0: raise ValueError("recovery: the standard block does not beat the attention-free control; there is nothing to recover")
+    return (paths[arm][-1]["target_cosine"] - free) / (std - free)
+
+def screen_claims(paths: dict, # arm -> screen_path(...) of one seed, every arm of SCREEN_ARMS
+                  band: float = ATTENTION_BAND) -> list[dict]:
+    "The article's four screen claims, each {claim, verdict (report.VERDICTS), why}, read only where the attention verdict (the positive control) separates."
+    missing = [a for a in SCREEN_ARMS if not paths.get(a)]
+    if missing: raise ValueError(f"screen claims: no run of {missing}; the claims read every arm of SCREEN_ARMS")
+    gate = attention_verdict(paths, band)
+    claims = ("collapse: routing that owns no parameters loses most of what attention adds",
+              "each cure alone multiplies the collapse's recovery ~3x", "all three cures train to ~90% of the standard block",
+              "all three need ~3x the steps for the same ground")
+    if not gate["matters"]:
+        why = f"the positive control does not separate ({gate['line']}): the substrate cannot show it"
+        return [{"claim": c, "verdict": "cannot be measured here", "why": why} for c in claims]
+    rec = {a: recovery(paths, a) for a in SCREEN_ARMS if a not in ("standard", "attention-free")}
+    cos = {a: p[-1]["target_cosine"] for a, p in paths.items()}
+    yes = lambda ok: "reproduces" if ok else "does not reproduce"
+    out = [{"claim": claims[0], "verdict": yes(rec["collapse"] < COLLAPSE_BAR),
+            "why": f"the collapse recovers {rec['collapse']:.2f} of the standard block's margin (the bar: below {COLLAPSE_BAR})"}]
+    ok = {c: cos[c] - cos["collapse"] > band and (rec[c] >= CURE_MULTIPLE * rec["collapse"] if rec["collapse"] > 0 else rec[c] > 0) for c in CURES}
+    out.append({"claim": claims[1], "verdict": yes(all(ok.values())),
+                "why": ", ".join(f"{c} {rec[c]:.2f}{'' if ok[c] else ' (fails)'}" for c in CURES) + f" vs the collapse's {rec['collapse']:.2f} "
+                       f"(the bar: each at least {CURE_MULTIPLE:g}x it, and above it by more than the band {band})"})
+    out.append({"claim": claims[2], "verdict": yes(rec["all three"] >= ALL_THREE_BAR),
+                "why": f"all three recover {rec['all three']:.2f} (the bar: at least {ALL_THREE_BAR}); raw gauge {cos['all three']:.4f} of the standard's "
+                       f"{cos['standard']:.4f} ({cos['all three'] / cos['standard']:.3f}; the attention-free control alone {cos['attention-free'] / cos['standard']:.3f})"})
+    std = paths["standard"]; third = max(std[-1]["step"] // 3, std[0]["step"])
+    at = min(std, key=lambda p: abs(p["step"] - third))
+    took = steps_to_reach(paths["all three"], at["target_cosine"])
+    if took is None:
+        out.append({"claim": claims[3], "verdict": "cannot be measured here",
+                    "why": f"all three never reach the standard block's gauge at step {at['step']} ({at['target_cosine']:.4f}) within {std[-1]['step']} steps"})
+    else:
+        lo, hi = STEPS_MULTIPLE; x = took / at["step"]
+        out.append({"claim": claims[3], "verdict": yes(lo <= x <= hi),
+                    "why": f"all three reach the standard block's step-{at['step']} gauge ({at['target_cosine']:.4f}) at step {took}: {x:.1f}x (the bar: {lo:g}x to {hi:g}x)"})
+    return out
+
+# %% ../nbs/10_block.ipynb #e7390889
+def screen_results(paths: dict, # arm -> screen_path(...) of one seed, every arm of SCREEN_ARMS
+                   cfg: ScreenConfig, # the screens' size (its name is the record's preset)
+                   seed: int,
+                   data: Optional[dict] = None, # what was read: the targets' and captions' fingerprints
+                   wall_seconds: Optional[float] = None) -> dict:
+    "The screens' results record (report.results_record of 10_splat at the screens' preset): the positive control, each arm's final gauge and recovery, the card's claims and the table."
+    gate = attention_verdict(paths, seed=seed)
+    f = [finding("control.standard", gate["standard"], "positive control: standard block, final target cosine", ".4f"),
+         finding("control.attention_free", gate["attention_free"], "positive control: attention-free control, final target cosine", ".4f"),
+         finding("control.gap", gate["gap"], "positive control: standard minus attention-free", "+.4f", note=f"separates beyond the band {gate['band']} or the claims are not read")]
+    for arm in SCREEN_ARMS:
+        if arm in ("standard", "attention-free"): continue
+        f.append(finding(f"{arm.replace(' ', '_')}.target_cosine", paths[arm][-1]["target_cosine"], f"{arm} ({SCREEN_ARMS[arm]}): final target cosine", ".4f"))
+        if gate["matters"]: f.append(finding(f"{arm.replace(' ', '_')}.recovery", recovery(paths, arm), f"{arm}: recovery (of the standard block's margin)", ".2f"))
+    v = [verdict("positive control: attention separates from the attention-free control on this substrate", None, gate["line"],
+                 reading="separates" if gate["matters"] else "does not separate")]
+    v += [verdict(c["claim"], c["verdict"], c["why"]) for c in screen_claims(paths)]
+    rows = [[r["arm"], r["attention"], r["step"], r["target_cosine"], recovery(paths, r["arm"]) if gate["matters"] else None,
+             r["peak_share"], r["anchor_cosine"]] for r in screen_table(paths)]
+    return results_record("10_splat", cfg.name, seed, findings=f, verdicts=v, data=data, wall_seconds=wall_seconds,
+                          tables=[table(f"the paired screens at {cfg.name}, seed {seed} ({cfg.substrate} substrate)",
+                                        ["arm", "attention", "step", "target cosine", "recovery", "peak share", "anchor cosine"], rows)],
+                          command=f"papermill nbs/10_splat.ipynb out.ipynb -p preset {cfg.name} -p seed {seed}",
+                          extra={"paths": paths, "substrate": cfg.substrate, "recipe": dict(cfg.recipe)})

@@ -19,13 +19,15 @@ from .data import bundled_minilm_path, cache_dir, collate, load_tokenizer, sorte
 
 # %% auto #0
 __all__ = ['HUB_TEACHERS', 'ROSTERS', 'TEACHERS_EXTRA', 'PARAPHRASE_DIST', 'PARAPHRASE_ONNX', 'GLOVE_MODULE', 'CONVERT_VERSION',
-           'STATIC_FAMILIES', 'TINY_FAMILY_CONFIGS', 'NAMED_TEACHER', 'POOLING', 'HUB_ID', 'ST_MODULES', 'PROBE_TEXTS',
-           'TeacherSpec', 'offline_teachers', 'paraphrase_teachers', 'glove_teacher', 'roster', 'reference_member',
-           'missing_extra', 'paraphrase_minilm_onnx', 'glove_root', 'onnx_bert_weights', 'convert_onnx_bert',
-           'GloveTokenizer', 'WordVectors', 'load_glove', 'load_source', 'mean_pool', 'TeacherGroup', 'require_source',
-           'load_teachers', 'save_tiny_teacher', 'file_sha256', 'teacher_identity', 'teacher_identities',
-           'identity_changes', 'check_teachers', 'named_teacher', 'parse_teacher', 'roster_text', 'roster_label',
-           'st_layout', 'teacher_spec', 'parse_roster', 'teacher_width', 'probe_teachers']
+           'STATIC_FAMILIES', 'BIGRAM_BUCKETS', 'BIGRAM_DIM', 'BIGRAM_SEED', 'BIGRAM_VERSION', 'BIGRAM_VIEWS',
+           'TINY_FAMILY_CONFIGS', 'NAMED_TEACHER', 'POOLING', 'HUB_ID', 'ST_MODULES', 'PROBE_TEXTS', 'TeacherSpec',
+           'offline_teachers', 'paraphrase_teachers', 'glove_teacher', 'roster', 'reference_member', 'missing_extra',
+           'paraphrase_minilm_onnx', 'glove_root', 'onnx_bert_weights', 'convert_onnx_bert', 'GloveTokenizer',
+           'WordVectors', 'load_glove', 'load_source', 'bigram_bucket', 'BigramVectors', 'bigram_root', 'load_bigram',
+           'bigram_teacher', 'mean_pool', 'TeacherGroup', 'require_source', 'load_teachers', 'save_tiny_teacher',
+           'file_sha256', 'teacher_identity', 'teacher_identities', 'identity_changes', 'check_teachers',
+           'named_teacher', 'parse_teacher', 'roster_text', 'roster_label', 'st_layout', 'teacher_spec', 'parse_roster',
+           'teacher_width', 'probe_teachers']
 
 # %% ../nbs/01a_teachers.ipynb #d79a4f64
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +85,7 @@ def glove_teacher(reference: bool = False # whether it is the roster's reference
     "GloVe 6B 50d (from the `teachers` extra): the mean of a text's word vectors, out-of-vocabulary words skipped."
     return TeacherSpec("glove-50d", str(glove_root()), "glove", max_length=512, reference=reference)
 
-ROSTERS = ("hub", "offline", "offline-mixed", "offline-weak")
+ROSTERS = ("hub", "offline", "offline-mixed", "offline-weak", "recall")
 
 def roster(name: str = "offline" # a name of ROSTERS, or a roster of one's own: two or more teachers joined by "," (roster_text)
           ) -> tuple[TeacherSpec, ...]:
@@ -92,6 +94,7 @@ def roster(name: str = "offline" # a name of ROSTERS, or a roster of one's own: 
     if name == "offline": return offline_teachers()
     if name == "offline-mixed": return offline_teachers((6,), 6) + paraphrase_teachers((3,)) + (glove_teacher(),)
     if name == "offline-weak": return offline_teachers((3,), None) + paraphrase_teachers((0,), 0) + (glove_teacher(),)
+    if name == "recall": return tuple(bigram_teacher(v, reference=v == "a") for v in BIGRAM_VIEWS)   # the synthetic bigram binding (below)
     return parse_roster(name)                 # an unknown name (no ',') is refused there, listing ROSTERS
 
 def reference_member(specs: Sequence[TeacherSpec]) -> TeacherSpec:
@@ -279,6 +282,76 @@ def load_source(source: str, # hub id, local folder, an .onnx BERT graph, or a s
     folder = str(convert_onnx_bert(source)) if str(source).endswith(".onnx") else source
     return AutoTokenizer.from_pretrained(folder, revision=revision), AutoModel.from_pretrained(folder, revision=revision)
 
+# %% ../nbs/01a_teachers.ipynb #7d9c158a
+BIGRAM_BUCKETS, BIGRAM_DIM, BIGRAM_SEED = 1 << 15, 128, 29   # the recall teacher's table (hashed bigrams x width) and its seed
+BIGRAM_VERSION, BIGRAM_VIEWS = 1, ("a", "b")                 # bump the version when the folder's bytes change; view b: view a in another frame
+
+def bigram_bucket(prev: torch.Tensor, # [...] the previous token's ids
+                  cur: torch.Tensor # [...] the token's ids
+                 ) -> torch.Tensor:
+    "The table row of each (previous token, token) pair: a fixed, order-sensitive hash of the two ids."
+    return (prev.long() * 1_000_003 + cur.long()) % BIGRAM_BUCKETS
+
+class BigramVectors(torch.nn.Module):
+    "The recall teacher's model: token t's state is the table row of (token t-1, token t) (the first token's: of (pad, token 0)); its mean over a caption is a bag of bigrams."
+    def __init__(self, table: torch.Tensor, # [BIGRAM_BUCKETS, D] the view's table
+                 pad_id: int = 0):
+        super().__init__()
+        self.register_buffer("table", table.float()); self.pad_id = pad_id
+        self.config = types.SimpleNamespace(hidden_size=table.shape[1], num_hidden_layers=0, vocab_size=None)
+    def forward(self, input_ids, attention_mask=None, output_hidden_states=False):
+        prev = torch.cat([torch.full_like(input_ids[:, :1], self.pad_id), input_ids[:, :-1]], 1)   # [B, L] the token before each
+        h = self.table[bigram_bucket(prev, input_ids)]                                            # [B, L, D]
+        return types.SimpleNamespace(last_hidden_state=h, hidden_states=(h,))
+
+def _bigram_table(view: str) -> np.ndarray:
+    "View a: seeded standard normal rows; view b: the same with its columns permuted and sign-flipped by a second seeded draw (an exact rotation, no arithmetic)."
+    table = np.random.default_rng(BIGRAM_SEED).standard_normal((BIGRAM_BUCKETS, BIGRAM_DIM), dtype=np.float32)
+    if view == "a": return table
+    g = np.random.default_rng(BIGRAM_SEED + 1)
+    return np.ascontiguousarray(table[:, g.permutation(BIGRAM_DIM)] * np.where(g.random(BIGRAM_DIM) < 0.5, -1, 1).astype(np.float32))
+
+def bigram_root(view: str = "a" # one of BIGRAM_VIEWS
+               ) -> Path:
+    "The recall teacher's folder for one view (table.npy and bigram.json), written once under the cache folder: to a temporary name, then renamed."
+    if view not in BIGRAM_VIEWS: raise ValueError(f"the recall teacher has views {list(BIGRAM_VIEWS)}, not {view!r}")
+    folder = cache_dir("teachers") / f"bigram-{view}-v{BIGRAM_VERSION}"
+    if (folder / "bigram.json").exists(): return folder
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
+    try:
+        np.save(tmp / "table.npy", _bigram_table(view))
+        atomic_write_json(tmp / "bigram.json", {"view": view, "buckets": BIGRAM_BUCKETS, "dim": BIGRAM_DIM, "seed": BIGRAM_SEED,
+                                                "version": BIGRAM_VERSION, "tokenizer": "the bundled all-MiniLM-L6-v2 WordPiece (bert-base-uncased)",
+                                                "hash": "(previous id * 1000003 + id) mod buckets"})
+        try: tmp.rename(folder)
+        except OSError:                          # another process wrote it first: theirs stands
+            if not (folder / "bigram.json").exists(): raise
+    finally:
+        if tmp.exists(): shutil.rmtree(tmp)
+    return folder
+
+def load_bigram(folder: str | Path # a folder bigram_root wrote
+               ) -> tuple:
+    "The recall teacher's tokenizer (the bundled WordPiece) and its BigramVectors, the folder checked against this code's table shape."
+    folder = Path(folder)
+    meta_path, table_path = folder / "bigram.json", folder / "table.npy"
+    if not meta_path.exists() or not table_path.exists():
+        raise FileNotFoundError(f"{folder} is not a recall-teacher folder (bigram.json and table.npy): teachers.bigram_root(view) writes one")
+    meta, table = json.loads(meta_path.read_text()), np.load(table_path)
+    if (meta.get("buckets"), meta.get("dim"), meta.get("version")) != (BIGRAM_BUCKETS, BIGRAM_DIM, BIGRAM_VERSION) or table.shape != (BIGRAM_BUCKETS, BIGRAM_DIM):
+        raise ValueError(f"{folder}: a recall-teacher table of version {meta.get('version')} shaped {table.shape}, but this code hashes into "
+                         f"{BIGRAM_BUCKETS} x {BIGRAM_DIM} (version {BIGRAM_VERSION}); delete the folder and let bigram_root write it again")
+    if not np.isfinite(table).all(): raise ValueError(f"{table_path} holds NaN or inf rows")
+    tok = load_tokenizer("bundled")
+    return tok, BigramVectors(torch.from_numpy(table), pad_id=tok.pad_token_id)
+
+STATIC_FAMILIES["bigram"] = load_bigram      # a static family beside glove (load_source, teacher_width read it there)
+
+def bigram_teacher(view: str = "a", # one of BIGRAM_VIEWS
+                   reference: bool = False) -> TeacherSpec:
+    "A view of the recall teacher (`bigram-a`, `bigram-b`): the mean of a caption's bigram rows, the student's WordPiece tokens."
+    return TeacherSpec(f"bigram-{view}", str(bigram_root(view)), "bigram", max_length=128, reference=reference)
+
 # %% ../nbs/01a_teachers.ipynb #7c801f78
 def mean_pool(hidden: torch.Tensor, # [B, L, D] hidden states
               mask: torch.Tensor # [B, L] 1 on real tokens
@@ -437,7 +510,7 @@ def check_teachers(recorded: dict | None, # name -> identity recorded by a store
     return current
 
 # %% ../nbs/01a_teachers.ipynb #35d8ca50
-NAMED_TEACHER = re.compile(r"minilm-L[1-6]|paraphrase-L[0-3]|glove-50d|" + "|".join(re.escape(s.name) for s in HUB_TEACHERS))
+NAMED_TEACHER = re.compile(r"minilm-L[1-6]|paraphrase-L[0-3]|glove-50d|bigram-[ab]|" + "|".join(re.escape(s.name) for s in HUB_TEACHERS))
 POOLING = re.compile(r"(mean|cls)(?:-L(\d+))?")       # the mean over the real tokens, or the first token: of the last layer, or of hidden_states[k]
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(?:/[\w.-]+)?")
 ST_MODULES = {"sentence_transformers.models.Transformer", "sentence_transformers.models.Pooling", "sentence_transformers.models.Normalize"}
@@ -448,6 +521,7 @@ def named_teacher(name: str # a name NAMED_TEACHER matches
     if m := re.fullmatch(r"minilm-L(\d)", name): return offline_teachers((int(m[1]),), None)[0]
     if m := re.fullmatch(r"paraphrase-L(\d)", name): return paraphrase_teachers((int(m[1]),))[0]
     if name == "glove-50d": return glove_teacher()
+    if m := re.fullmatch(r"bigram-([ab])", name): return bigram_teacher(m[1])
     return next(dataclasses.replace(s, reference=False) for s in HUB_TEACHERS if s.name == name)
 
 def parse_teacher(text: str # one teacher of a roster (the grammar above)
