@@ -8,7 +8,8 @@ instruments (S0a, S0e) and the sample-efficiency bed."""
 __all__ = ['ARMS', 'ALEPH_PRESETS', 'ROUTING_PARAMS', 'WOKE_SHARE', 'S0A_BANDS', 'S0E_BAND', 'R1_CEILING', 'CONTRASTS',
            'routing_budget_scale', 'arm_of', 'AlephConfig', 'routing_vitals', 'dispatch_woke', 'vitals_extra',
            'train_arm_run', 'study_plan', 'addressing_reading', 'held_out_cosine', 'dispatch_value', 's0a_verdict',
-           's0a_ranks', 's0e_verdict', 'gauge_path', 'path_table', 'path_claim']
+           's0a_ranks', 's0e_verdict', 'gauge_path', 'path_table', 'path_claim', 'dense_knockout', 'dispatched_share',
+           'knockout_control']
 
 # %% ../nbs/08_alephlm.ipynb #8111d83c
 import dataclasses, math
@@ -24,7 +25,7 @@ from .core import Presets, member_of
 from .data import collate, sorted_batches
 from .encoder import CaptionEncoder, EncoderConfig, n_params
 from .gauges import effective_rank
-from .teachers import load_teachers, reference_member, roster
+from .teachers import load_teachers, recall_substrate, reference_member, roster
 from .loop import TrainConfig, summed_lr
 from .train import run_consensus_training
 from .recipe import plan_run
@@ -67,7 +68,7 @@ class AlephConfig(Presets):
     gallery: int = 1024                       # the fixed gallery of every mimicry R@1 quoted (a key of the gauges' sweep)
     routing_budget: Optional[str] = None      # None: the card's recipe for every parameter; "published": the routing parameters
                                               # (ROUTING_PARAMS) train at lr × routing_budget_scale, the published run's Adam travel
-    PRESETS, SIZE_OF = ("smoke", "cpu", "published"), "AlephLM size"   # core.Presets: preset(name) builds each by its classmethod
+    PRESETS, SIZE_OF = ("smoke", "cpu", "published", "recall"), "AlephLM size"   # core.Presets: preset(name) builds each by its classmethod
     @classmethod
     def published(cls, **kw):
         return cls(**{"name": "published", "train_preset": "v2b", "encoder": "v2", "gradient_checkpointing": True, "seeds": (0, 1),
@@ -75,6 +76,10 @@ class AlephConfig(Presets):
     @classmethod
     def cpu(cls, **kw):
         return cls(**{"name": "cpu", "recipe": (("max_steps", 400), ("warmup_steps", 40), ("eval_every", 50), ("precision", None)), "routing_budget": "published", **kw})   # fp32 on a CPU, as its record was measured
+    @classmethod
+    def recall(cls, **kw):   # the cpu study on the recall substrate (teachers.recall_substrate), at the cpu preset's native precision; no S0e
+        return cls(**{"name": "recall", "recipe": (("max_steps", 400), ("warmup_steps", 40), ("eval_every", 50), *recall_substrate("cpu").items()),
+                      "routing_budget": "published", "arms": ("a1", "a2", "a3"), "s0e_readouts": (), **kw})
     @classmethod
     def smoke(cls, **kw):
         return cls(**{"name": "smoke", "train_preset": "smoke", "encoder": "tiny", "seeds": (0,), "tasks": FAST_TASKS,
@@ -333,3 +338,43 @@ def path_claim(lead: list, control: list, # gauge_path(...) of the two arms (a1,
                                                                        (f"at the end it {call[steps[-1]]}s by {d[steps[-1]]:+.4f} (band {band})", ties_end)) if not ok))
     return {"delta": d, "call": call, "leads_along": leads_along, "ties_end": ties_end, "band": band, "verdict": verdict}
 
+
+# %% ../nbs/08_alephlm.ipynb #49a7e678
+def dense_knockout(model: CaptionEncoder, # a trunk with dense FFNs (the control a2)
+                   share: float # the fraction of every FFN's hidden units switched off (the last units)
+                  ):
+    "A context manager: the last `share` of each dense FFN's hidden units contribute nothing (their fc1 rows and biases zeroed, GELU(0) = 0), restored on exit."
+    import contextlib
+    @contextlib.contextmanager
+    def knocked():
+        ffns = [b.ffn for b in model.blocks]
+        if any(getattr(f, "routed", False) or not hasattr(f, "fc1") for f in ffns): raise ValueError("dense_knockout switches off a dense FFN's units; this trunk is routed")
+        if not 0 < share < 1: raise ValueError(f"share {share} must lie strictly between 0 and 1")
+        saved = [(f.fc1.weight.detach().clone(), f.fc1.bias.detach().clone()) for f in ffns]
+        try:
+            with torch.no_grad():
+                for f in ffns:
+                    n = round(f.fc1.out_features * share); f.fc1.weight[-n:] = 0; f.fc1.bias[-n:] = 0
+            yield model
+        finally:
+            with torch.no_grad():
+                for f, (w, b) in zip(ffns, saved): f.fc1.weight.copy_(w); f.fc1.bias.copy_(b)
+    return knocked()
+
+def dispatched_share(cfg: AlephConfig) -> float:
+    "The share of an anchored FFN's hidden units that the dispatch holds (K of its K+1 experts): what dispatch OFF takes away."
+    e = cfg.encoder_config("a1"); return e.experts / (e.experts + 1)
+
+def knockout_control(model: CaptionEncoder, # the dense control a2, trained
+                     job, # its ConsensusRun
+                     rows: Sequence[int], # held-out row ids (the gauge's)
+                     share: float, # dispatched_share(cfg)
+                     band: float = S0E_BAND["target_cosine"]) -> dict:
+    "The positive control of 'the dispatch carries the objective': the same share of the dense control's FFN units switched off must cost held-out target cosine beyond the band, or no on - OFF reading means anything on this substrate."
+    on = held_out_cosine(model, job, rows)
+    with dense_knockout(model, share): off = held_out_cosine(model, job, rows)
+    r = dispatch_value(on, off, band)
+    return {**r, "separates": r["effect"] == "helps", "share": share,
+            "line": f"positive control: a2 with {share:.0%} of its FFN units off: on - OFF {r['delta']:+.4f} held-out target cosine ({off:.4f} -> {on:.4f}), "
+                    + ("separates: the objective needs that capacity on this substrate" if r["effect"] == "helps" else
+                       f"does not separate (band {band}): the substrate cannot show a dispatch carrying the objective")}

@@ -26,14 +26,14 @@ from .stats import band_verdict
 from .loop import TrainConfig
 from .train import run_consensus_training
 from .report import finding, results_record, table, verdict
-from .report import finding, results_record, table, verdict
+from .teachers import recall_substrate
 
 # %% auto #0
-__all__ = ['SPLAT_CURES', 'SPLAT_CELLS', 'SPLAT_TAU', 'SUBSTRATES', 'RECALL_ROWS', 'SCREEN_ARMS', 'ATTENTION_BAND',
-           'COLLAPSE_BAR', 'CURE_MULTIPLE', 'ALL_THREE_BAR', 'STEPS_MULTIPLE', 'CURES', 'splat_options',
-           'SplatAttention', 'peak_live_bytes', 'measure', 'scaling_benchmark', 'slope', 'ScreenConfig', 'basin_gauge',
-           'basin_extra', 'screen_dir', 'train_screen', 'screen_path', 'steps_to_reach', 'attention_verdict',
-           'screen_table', 'recovery', 'screen_claims', 'screen_results']
+__all__ = ['SPLAT_CURES', 'SPLAT_CELLS', 'SPLAT_TAU', 'SUBSTRATES', 'SCREEN_ARMS', 'ATTENTION_BAND', 'COLLAPSE_BAR',
+           'CURE_MULTIPLE', 'ALL_THREE_BAR', 'STEPS_MULTIPLE', 'CURES', 'splat_options', 'SplatAttention',
+           'peak_live_bytes', 'measure', 'scaling_benchmark', 'slope', 'ScreenConfig', 'basin_gauge', 'basin_extra',
+           'screen_dir', 'train_screen', 'screen_path', 'steps_to_reach', 'attention_verdict', 'screen_table',
+           'recovery', 'screen_claims', 'screen_results']
 
 # %% ../nbs/10_block.ipynb #a049343b
 SPLAT_CURES = ("rope", "frame", "codebooks")   # the routing's own parameters; "splat" alone has all three, "splat:frozen" none
@@ -181,8 +181,7 @@ def slope(rows: list[dict], kind: str, key: str = "seconds") -> float:
     return math.log(b / a) / math.log(l1 / l0)
 
 # %% ../nbs/10_block.ipynb #ce78de1b
-SUBSTRATES = ("captions", "recall")   # what the screens learn: the train preset's own targets, or the recall teacher's bigrams on the scene grammar
-RECALL_ROWS = (24_000, 6_500)           # scene-grammar captions of the recall substrate: at cpu, at smoke
+SUBSTRATES = ("captions", "recall")   # what the screens learn: the train preset's own targets, or the recall teacher's bigrams on the scene grammar (teachers.recall_substrate)
 
 SCREEN_ARMS = {   # the paired screens: label -> EncoderConfig.attention (same seed, data, batches and steps for every arm)
     "standard": "sdpa",              # the standard (SDPA) block: the reference the training gauge is matched against
@@ -222,8 +221,7 @@ class ScreenConfig(Presets):
             raise ValueError(f"the {self.substrate!r} substrate names its own roster and captions; drop them from the recipe")
     def train_config(self, arm: str):
         "The one TrainConfig every arm trains with (only the name differs): the recipe, on the substrate's roster and captions."
-        rows = RECALL_ROWS[self.train_preset == "smoke"]
-        sub = {"roster": "recall", "captions": f"synthetic:{rows}"} if self.substrate == "recall" else {}
+        sub = recall_substrate("smoke" if self.train_preset == "smoke" else "cpu") if self.substrate == "recall" else {}
         return dataclasses.replace(TrainConfig.preset(self.train_preset, **dict(self.recipe), **sub), name=f"splat-{arm.replace(' ', '-')}-{self.name}")
     def encoder_config(self, arm: str) -> EncoderConfig:
         "The arm's encoder: the architecture at this size with the arm's attention."

@@ -20,14 +20,14 @@ from .data import bundled_minilm_path, cache_dir, collate, load_tokenizer, sorte
 # %% auto #0
 __all__ = ['HUB_TEACHERS', 'ROSTERS', 'TEACHERS_EXTRA', 'PARAPHRASE_DIST', 'PARAPHRASE_ONNX', 'GLOVE_MODULE', 'CONVERT_VERSION',
            'STATIC_FAMILIES', 'BIGRAM_BUCKETS', 'BIGRAM_DIM', 'BIGRAM_SEED', 'BIGRAM_VERSION', 'BIGRAM_VIEWS',
-           'TINY_FAMILY_CONFIGS', 'NAMED_TEACHER', 'POOLING', 'HUB_ID', 'ST_MODULES', 'PROBE_TEXTS', 'TeacherSpec',
-           'offline_teachers', 'paraphrase_teachers', 'glove_teacher', 'roster', 'reference_member', 'missing_extra',
-           'paraphrase_minilm_onnx', 'glove_root', 'onnx_bert_weights', 'convert_onnx_bert', 'GloveTokenizer',
-           'WordVectors', 'load_glove', 'load_source', 'bigram_bucket', 'BigramVectors', 'bigram_root', 'load_bigram',
-           'bigram_teacher', 'mean_pool', 'TeacherGroup', 'require_source', 'load_teachers', 'save_tiny_teacher',
-           'file_sha256', 'teacher_identity', 'teacher_identities', 'identity_changes', 'check_teachers',
-           'named_teacher', 'parse_teacher', 'roster_text', 'roster_label', 'st_layout', 'teacher_spec', 'parse_roster',
-           'teacher_width', 'probe_teachers']
+           'RECALL_ROWS', 'TINY_FAMILY_CONFIGS', 'NAMED_TEACHER', 'POOLING', 'HUB_ID', 'ST_MODULES', 'PROBE_TEXTS',
+           'TeacherSpec', 'offline_teachers', 'paraphrase_teachers', 'glove_teacher', 'roster', 'reference_member',
+           'missing_extra', 'paraphrase_minilm_onnx', 'glove_root', 'onnx_bert_weights', 'convert_onnx_bert',
+           'GloveTokenizer', 'WordVectors', 'load_glove', 'load_source', 'bigram_bucket', 'BigramVectors',
+           'bigram_root', 'load_bigram', 'bigram_teacher', 'recall_substrate', 'mean_pool', 'TeacherGroup',
+           'require_source', 'load_teachers', 'save_tiny_teacher', 'file_sha256', 'teacher_identity',
+           'teacher_identities', 'identity_changes', 'check_teachers', 'named_teacher', 'parse_teacher', 'roster_text',
+           'roster_label', 'st_layout', 'teacher_spec', 'parse_roster', 'teacher_width', 'probe_teachers']
 
 # %% ../nbs/01a_teachers.ipynb #d79a4f64
 @dataclasses.dataclass(frozen=True)
@@ -351,6 +351,14 @@ def bigram_teacher(view: str = "a", # one of BIGRAM_VIEWS
                    reference: bool = False) -> TeacherSpec:
     "A view of the recall teacher (`bigram-a`, `bigram-b`): the mean of a caption's bigram rows, the student's WordPiece tokens."
     return TeacherSpec(f"bigram-{view}", str(bigram_root(view)), "bigram", max_length=128, reference=reference)
+
+RECALL_ROWS = {"cpu": 24_000, "smoke": 6_500}   # scene-grammar captions of the recall substrate (smoke: about the fewest the smoke alignment accepts)
+
+def recall_substrate(size: str = "cpu" # a key of RECALL_ROWS
+                    ) -> dict:
+    "The recall substrate as TrainConfig overrides (a study's recipe adds them): the recall roster over RECALL_ROWS[size] scene-grammar captions."
+    if size not in RECALL_ROWS: raise ValueError(f"the recall substrate has sizes {list(RECALL_ROWS)}, not {size!r}")
+    return {"roster": "recall", "captions": f"synthetic:{RECALL_ROWS[size]}"}
 
 # %% ../nbs/01a_teachers.ipynb #7c801f78
 def mean_pool(hidden: torch.Tensor, # [B, L, D] hidden states
