@@ -8,8 +8,7 @@ instruments (S0a, S0e) and the sample-efficiency bed."""
 __all__ = ['ARMS', 'ALEPH_PRESETS', 'ROUTING_PARAMS', 'WOKE_SHARE', 'S0A_BANDS', 'S0E_BAND', 'R1_CEILING', 'CONTRASTS',
            'routing_budget_scale', 'arm_of', 'AlephConfig', 'routing_vitals', 'dispatch_woke', 'vitals_extra',
            'train_arm_run', 'study_plan', 'addressing_reading', 'held_out_cosine', 'dispatch_value', 's0a_verdict',
-           's0a_ranks', 's0e_verdict', 'gauge_path', 'path_table', 'path_claim', 'dense_knockout', 'dispatched_share',
-           'knockout_control']
+           's0a_ranks', 's0e_verdict', 'gauge_path', 'path_table', 'path_claim', 'trunk_width', 'capacity_control']
 
 # %% ../nbs/08_alephlm.ipynb #8111d83c
 import dataclasses, math
@@ -66,6 +65,7 @@ class AlephConfig(Presets):
     dev_task: str = DEV_TASKS[0]              # the dev set (selection only)
     vitals_rows: int = 256                    # held-out rows the routing vitals read at every evaluation
     gallery: int = 1024                       # the fixed gallery of every mimicry R@1 quoted (a key of the gauges' sweep)
+    substrate: str = "captions"               # what the arms learn: "captions" (the train preset's roster and captions) or "recall" (teachers.recall_substrate)
     routing_budget: Optional[str] = None      # None: the card's recipe for every parameter; "published": the routing parameters
                                               # (ROUTING_PARAMS) train at lr × routing_budget_scale, the published run's Adam travel
     PRESETS, SIZE_OF = ("smoke", "cpu", "published", "recall"), "AlephLM size"   # core.Presets: preset(name) builds each by its classmethod
@@ -78,7 +78,7 @@ class AlephConfig(Presets):
         return cls(**{"name": "cpu", "recipe": (("max_steps", 400), ("warmup_steps", 40), ("eval_every", 50), ("precision", None)), "routing_budget": "published", **kw})   # fp32 on a CPU, as its record was measured
     @classmethod
     def recall(cls, **kw):   # the cpu study on the recall substrate (teachers.recall_substrate), at the cpu preset's native precision; no S0e
-        return cls(**{"name": "recall", "recipe": (("max_steps", 400), ("warmup_steps", 40), ("eval_every", 50), *recall_substrate("cpu").items()),
+        return cls(**{"name": "recall", "substrate": "recall", "recipe": (("max_steps", 400), ("warmup_steps", 40), ("eval_every", 50)),
                       "routing_budget": "published", "arms": ("a1", "a2", "a3"), "s0e_readouts": (), **kw})
     @classmethod
     def smoke(cls, **kw):
@@ -89,9 +89,13 @@ class AlephConfig(Presets):
         if self.routing_budget not in (None, "published"):
             raise ValueError(f"routing_budget {self.routing_budget!r}: use None (the card's recipe) or 'published' (the published run's travel)")
         if self.dev_task in self.tasks: raise ValueError(f"the dev set {self.dev_task!r} cannot also be a reported test set ({self.tasks})")
+        if self.substrate not in ("captions", "recall"): raise ValueError(f"unknown substrate {self.substrate!r}: 'captions' or 'recall'")
+        if self.substrate != "captions" and {"roster", "captions"} & set(dict(self.recipe)):
+            raise ValueError(f"the {self.substrate!r} substrate names its own roster and captions; drop them from the recipe")
     def train_config(self, arm: str = "a1", **kw):
         "The TrainConfig every arm trains with: the 05_train preset with the AlephLM recipe on top (the same for every arm)."
-        tc = dataclasses.replace(TrainConfig.preset(self.train_preset, **{**dict(self.recipe), **kw}), name=f"aleph-{arm_of(arm)}-{self.name}")
+        sub = recall_substrate("smoke" if self.train_preset == "smoke" else "cpu") if self.substrate == "recall" else {}
+        tc = dataclasses.replace(TrainConfig.preset(self.train_preset, **{**dict(self.recipe), **sub, **kw}), name=f"aleph-{arm_of(arm)}-{self.name}")
         if self.routing_budget is None or ARMS[arm_of(arm)][1].get("ffn") != "anchored" or "lr_scales" in kw: return tc
         m = routing_budget_scale(tc, AlephConfig.published().train_config())
         return dataclasses.replace(tc, lr_scales=tuple((k, m) for k in ROUTING_PARAMS))
@@ -340,41 +344,18 @@ def path_claim(lead: list, control: list, # gauge_path(...) of the two arms (a1,
 
 
 # %% ../nbs/08_alephlm.ipynb #49a7e678
-def dense_knockout(model: CaptionEncoder, # a trunk with dense FFNs (the control a2)
-                   share: float # the fraction of every FFN's hidden units switched off (the last units)
-                  ):
-    "A context manager: the last `share` of each dense FFN's hidden units contribute nothing (their fc1 rows and biases zeroed, GELU(0) = 0), restored on exit."
-    import contextlib
-    @contextlib.contextmanager
-    def knocked():
-        ffns = [b.ffn for b in model.blocks]
-        if any(getattr(f, "routed", False) or not hasattr(f, "fc1") for f in ffns): raise ValueError("dense_knockout switches off a dense FFN's units; this trunk is routed")
-        if not 0 < share < 1: raise ValueError(f"share {share} must lie strictly between 0 and 1")
-        saved = [(f.fc1.weight.detach().clone(), f.fc1.bias.detach().clone()) for f in ffns]
-        try:
-            with torch.no_grad():
-                for f in ffns:
-                    n = round(f.fc1.out_features * share); f.fc1.weight[-n:] = 0; f.fc1.bias[-n:] = 0
-            yield model
-        finally:
-            with torch.no_grad():
-                for f, (w, b) in zip(ffns, saved): f.fc1.weight.copy_(w); f.fc1.bias.copy_(b)
-    return knocked()
+def trunk_width(cfg: AlephConfig) -> int:
+    "The FFN width an anchored arm keeps with its dispatch OFF: the always-on trunk expert's (ffn_hidden / (experts + 1))."
+    e = cfg.encoder_config("a1"); return e.ffn_hidden // (e.experts + 1)
 
-def dispatched_share(cfg: AlephConfig) -> float:
-    "The share of an anchored FFN's hidden units that the dispatch holds (K of its K+1 experts): what dispatch OFF takes away."
-    e = cfg.encoder_config("a1"); return e.experts / (e.experts + 1)
-
-def knockout_control(model: CaptionEncoder, # the dense control a2, trained
-                     job, # its ConsensusRun
-                     rows: Sequence[int], # held-out row ids (the gauge's)
-                     share: float, # dispatched_share(cfg)
+def capacity_control(wide: float, # held-out target cosine of the dense control a2 (the full FFN width), at the end
+                     narrow: float, # the same of a dense control trained at trunk_width (same seed, recipe, rows and steps)
+                     width: int, full: int, # the two FFN widths
                      band: float = S0E_BAND["target_cosine"]) -> dict:
-    "The positive control of 'the dispatch carries the objective': the same share of the dense control's FFN units switched off must cost held-out target cosine beyond the band, or no on - OFF reading means anything on this substrate."
-    on = held_out_cosine(model, job, rows)
-    with dense_knockout(model, share): off = held_out_cosine(model, job, rows)
-    r = dispatch_value(on, off, band)
-    return {**r, "separates": r["effect"] == "helps", "share": share,
-            "line": f"positive control: a2 with {share:.0%} of its FFN units off: on - OFF {r['delta']:+.4f} held-out target cosine ({off:.4f} -> {on:.4f}), "
-                    + ("separates: the objective needs that capacity on this substrate" if r["effect"] == "helps" else
-                       f"does not separate (band {band}): the substrate cannot show a dispatch carrying the objective")}
+    "The positive control of 'the dispatch carries the objective': the full-width dense control must beat one trained at the trunk expert's width beyond the band, or the objective does not need the capacity the dispatch holds."
+    d = wide - narrow
+    return {"wide": wide, "narrow": narrow, "delta": d, "band": band, "separates": d > band, "width": width, "full": full,
+            "line": f"positive control: dense FFN {full} - dense FFN {width} {d:+.4f} held-out target cosine ({narrow:.4f} -> {wide:.4f}), "
+                    + (f"separates (band {band}): the objective needs the capacity the dispatch holds" if d > band else
+                       f"does not separate (band {band}): the objective does not need the capacity the dispatch holds, so the substrate cannot show a dispatch carrying it")}
+

@@ -20,12 +20,12 @@ from .data import bundled_minilm_path, cache_dir, collate, load_tokenizer, sorte
 # %% auto #0
 __all__ = ['HUB_TEACHERS', 'ROSTERS', 'TEACHERS_EXTRA', 'PARAPHRASE_DIST', 'PARAPHRASE_ONNX', 'GLOVE_MODULE', 'CONVERT_VERSION',
            'STATIC_FAMILIES', 'BIGRAM_BUCKETS', 'BIGRAM_DIM', 'BIGRAM_SEED', 'BIGRAM_VERSION', 'BIGRAM_VIEWS',
-           'RECALL_ROWS', 'TINY_FAMILY_CONFIGS', 'NAMED_TEACHER', 'POOLING', 'HUB_ID', 'ST_MODULES', 'PROBE_TEXTS',
-           'TeacherSpec', 'offline_teachers', 'paraphrase_teachers', 'glove_teacher', 'roster', 'reference_member',
-           'missing_extra', 'paraphrase_minilm_onnx', 'glove_root', 'onnx_bert_weights', 'convert_onnx_bert',
-           'GloveTokenizer', 'WordVectors', 'load_glove', 'load_source', 'bigram_bucket', 'BigramVectors',
-           'bigram_root', 'load_bigram', 'bigram_teacher', 'recall_substrate', 'mean_pool', 'TeacherGroup',
-           'require_source', 'load_teachers', 'save_tiny_teacher', 'file_sha256', 'teacher_identity',
+           'BIGRAM_SHA256', 'RECALL_ROWS', 'TINY_FAMILY_CONFIGS', 'NAMED_TEACHER', 'POOLING', 'HUB_ID', 'ST_MODULES',
+           'PROBE_TEXTS', 'TeacherSpec', 'offline_teachers', 'paraphrase_teachers', 'glove_teacher', 'roster',
+           'reference_member', 'missing_extra', 'paraphrase_minilm_onnx', 'glove_root', 'onnx_bert_weights',
+           'convert_onnx_bert', 'GloveTokenizer', 'WordVectors', 'load_glove', 'load_source', 'bigram_bucket',
+           'BigramVectors', 'bigram_root', 'load_bigram', 'bigram_teacher', 'recall_substrate', 'mean_pool',
+           'TeacherGroup', 'require_source', 'load_teachers', 'save_tiny_teacher', 'file_sha256', 'teacher_identity',
            'teacher_identities', 'identity_changes', 'check_teachers', 'named_teacher', 'parse_teacher', 'roster_text',
            'roster_label', 'st_layout', 'teacher_spec', 'parse_roster', 'teacher_width', 'probe_teachers']
 
@@ -285,6 +285,8 @@ def load_source(source: str, # hub id, local folder, an .onnx BERT graph, or a s
 # %% ../nbs/01a_teachers.ipynb #7d9c158a
 BIGRAM_BUCKETS, BIGRAM_DIM, BIGRAM_SEED = 1 << 15, 128, 29   # the recall teacher's table (hashed bigrams x width) and its seed
 BIGRAM_VERSION, BIGRAM_VIEWS = 1, ("a", "b")                 # bump the version when the folder's bytes change; view b: view a in another frame
+BIGRAM_SHA256 = {"a": "db889f7a95c56412d604aafedcc8f1ddf1778fca455ecc4f7143bd221a8b3598",   # each view's table bytes (float32, C order),
+                 "b": "7e00e1211dc127103af4401f28eb10b3fe4390bfd6ce8b0743afa8b848619988"}   # checked where written and where read
 
 def bigram_bucket(prev: torch.Tensor, # [...] the previous token's ids
                   cur: torch.Tensor # [...] the token's ids
@@ -304,12 +306,23 @@ class BigramVectors(torch.nn.Module):
         h = self.table[bigram_bucket(prev, input_ids)]                                            # [B, L, D]
         return types.SimpleNamespace(last_hidden_state=h, hidden_states=(h,))
 
+def _bigram_signed_permutation() -> tuple:
+    "View b's frame: a seeded column permutation and signs."
+    g = np.random.default_rng(BIGRAM_SEED + 1)
+    return g.permutation(BIGRAM_DIM), np.where(g.random(BIGRAM_DIM) < 0.5, -1, 1).astype(np.float32)
+
 def _bigram_table(view: str) -> np.ndarray:
-    "View a: seeded standard normal rows; view b: the same with its columns permuted and sign-flipped by a second seeded draw (an exact rotation, no arithmetic)."
+    "View a: seeded standard normal rows (NumPy's PCG64 Generator, float32 draws); view b: the same with its columns permuted and sign-flipped (an exact rotation, no arithmetic)."
     table = np.random.default_rng(BIGRAM_SEED).standard_normal((BIGRAM_BUCKETS, BIGRAM_DIM), dtype=np.float32)
     if view == "a": return table
-    g = np.random.default_rng(BIGRAM_SEED + 1)
-    return np.ascontiguousarray(table[:, g.permutation(BIGRAM_DIM)] * np.where(g.random(BIGRAM_DIM) < 0.5, -1, 1).astype(np.float32))
+    perm, sign = _bigram_signed_permutation()
+    return np.ascontiguousarray(table[:, perm] * sign)
+
+def _check_bigram_bytes(table: np.ndarray, view: str, where) -> None:
+    got = sha256_bytes(np.ascontiguousarray(table, dtype=np.float32).tobytes())
+    if got != BIGRAM_SHA256[view]:
+        raise ValueError(f"{where}: the recall teacher's view {view} table hashes to {got[:12]}, not {BIGRAM_SHA256[view][:12]}: it is not this "
+                         "code's table (another NumPy drew other numbers, or the file changed); delete the folder and let bigram_root write it again")
 
 def bigram_root(view: str = "a" # one of BIGRAM_VIEWS
                ) -> Path:
@@ -319,7 +332,8 @@ def bigram_root(view: str = "a" # one of BIGRAM_VIEWS
     if (folder / "bigram.json").exists(): return folder
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
     try:
-        np.save(tmp / "table.npy", _bigram_table(view))
+        table = _bigram_table(view); _check_bigram_bytes(table, view, "bigram_root")
+        np.save(tmp / "table.npy", table); os.chmod(tmp, 0o755)          # mkdtemp's folder is private: a shared cache is read by others
         atomic_write_json(tmp / "bigram.json", {"view": view, "buckets": BIGRAM_BUCKETS, "dim": BIGRAM_DIM, "seed": BIGRAM_SEED,
                                                 "version": BIGRAM_VERSION, "tokenizer": "the bundled all-MiniLM-L6-v2 WordPiece (bert-base-uncased)",
                                                 "hash": "(previous id * 1000003 + id) mod buckets"})
@@ -341,7 +355,9 @@ def load_bigram(folder: str | Path # a folder bigram_root wrote
     if (meta.get("buckets"), meta.get("dim"), meta.get("version")) != (BIGRAM_BUCKETS, BIGRAM_DIM, BIGRAM_VERSION) or table.shape != (BIGRAM_BUCKETS, BIGRAM_DIM):
         raise ValueError(f"{folder}: a recall-teacher table of version {meta.get('version')} shaped {table.shape}, but this code hashes into "
                          f"{BIGRAM_BUCKETS} x {BIGRAM_DIM} (version {BIGRAM_VERSION}); delete the folder and let bigram_root write it again")
-    if not np.isfinite(table).all(): raise ValueError(f"{table_path} holds NaN or inf rows")
+    if meta.get("view") not in BIGRAM_VIEWS or meta.get("seed") != BIGRAM_SEED:
+        raise ValueError(f"{folder}: a recall-teacher folder of view {meta.get('view')!r} and seed {meta.get('seed')}, not one of this code's views at seed {BIGRAM_SEED}")
+    _check_bigram_bytes(table, meta["view"], table_path)
     tok = load_tokenizer("bundled")
     return tok, BigramVectors(torch.from_numpy(table), pad_id=tok.pad_token_id)
 

@@ -160,7 +160,7 @@ def test_run_refuses_targets_of_another_roster(tmp_path):
         run_consensus_training(seed=0, preset="smoke", run_dir=tmp_path / "other", targets=str(first.targets.folder), roster="offline-weak",
                                max_steps=2, progress=False)
     assert not (tmp_path / "other" / "metrics.jsonl").exists()
-    with pytest.raises(ValueError, match=r"unknown roster 'offline-strong': use one of \['hub', 'offline', 'offline-mixed', 'offline-weak'\]"):
+    with pytest.raises(ValueError, match=r"unknown roster 'offline-strong': use one of \['hub', 'offline', 'offline-mixed', 'offline-weak', 'recall'\]"):
         run_consensus_training(seed=0, preset="smoke", run_dir=tmp_path / "third", roster="offline-strong", progress=False)
 
 

@@ -101,7 +101,7 @@ def test_the_sizes_come_from_core_presets():
     from captionbert.splat_store import BatteryConfig, battery_size
     from captionbert.splat_block import ScreenConfig
     assert issubclass(ScreenConfig, Presets) and issubclass(BatteryConfig, Presets)
-    with pytest.raises(ValueError, match=r"unknown screen size 'v2': one of \['smoke', 'cpu'\]"): ScreenConfig.preset("v2")
+    with pytest.raises(ValueError, match=r"unknown screen size 'v2': one of \['smoke', 'cpu', 'recall'\]"): ScreenConfig.preset("v2")
     with pytest.raises(ValueError, match=r"unknown battery size 'tiny': one of \['smoke', 'cpu', 'published'\]"): battery_size("tiny")
     base = dict(dim=64, budget=256, items=256, value_dim=64, noise=0.35)
     assert battery_size("smoke") == dict(base, trials=1, steps=30, train_steps=10, context=256, locality_heads=(1, 16, 256),
