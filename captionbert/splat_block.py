@@ -30,7 +30,7 @@ from .teachers import recall_substrate
 
 # %% auto #0
 __all__ = ['SPLAT_CURES', 'SPLAT_CELLS', 'SPLAT_TAU', 'SUBSTRATES', 'SCREEN_ARMS', 'ATTENTION_BAND', 'COLLAPSE_BAR',
-           'CURE_MULTIPLE', 'ALL_THREE_BAR', 'STEPS_MULTIPLE', 'ROOM_BANDS', 'SCREEN_CLAIMS', 'splat_options',
+           'CURE_MULTIPLE', 'ALL_THREE_BAR', 'STEPS_MULTIPLE', 'SCREEN_CLAIMS', 'PILOT_SEEDS', 'splat_options',
            'SplatAttention', 'peak_live_bytes', 'measure', 'scaling_benchmark', 'slope', 'ScreenConfig', 'basin_gauge',
            'basin_extra', 'screen_dir', 'train_screen', 'screen_path', 'steps_to_reach', 'attention_verdict',
            'screen_table', 'recovery', 'screen_claims', 'screen_results']
@@ -334,7 +334,6 @@ def screen_table(paths: dict, # arm -> screen_path(...), with "standard", "atten
 
 # %% ../nbs/10_block.ipynb #ad647230
 COLLAPSE_BAR, CURE_MULTIPLE, ALL_THREE_BAR, STEPS_MULTIPLE = 0.5, 2.0, 0.8, (2.0, 4.0)   # the claims' bars (see above: set after a seed-0 pilot)
-ROOM_BANDS = 2.0   # the recovery claims are read only where the standard block's margin is at least this many bands (else a band is half the scale)
 
 def recovery(paths: dict, # arm -> screen_path(...), with "standard" and "attention-free"
              arm: str) -> float:
@@ -349,7 +348,7 @@ SCREEN_CLAIMS = ("collapse: routing that owns no parameters loses most of what a
 
 def screen_claims(paths: dict, # arm -> screen_path(...) of one seed, every arm of SCREEN_ARMS, all ending at one step
                   band: float = ATTENTION_BAND) -> list[dict]:
-    "The article's four screen claims, each {claim, verdict (report.VERDICTS), why}, read only where the attention verdict (the positive control) separates; a reading within the band of its bar cannot be measured."
+    "The article's four screen claims, each {claim, verdict (report.VERDICTS), why}, read only where the attention verdict (the positive control) separates; a reading within the band of its bar, or a bar the margin leaves no room to read both ways, cannot be measured."
     missing = [a for a in SCREEN_ARMS if not paths.get(a)]
     if missing: raise ValueError(f"screen claims: no run of {missing}; the claims read every arm of SCREEN_ARMS")
     ends = {a: p[-1]["step"] for a, p in paths.items()}
@@ -361,46 +360,44 @@ def screen_claims(paths: dict, # arm -> screen_path(...) of one seed, every arm 
     cos = {a: p[-1]["target_cosine"] for a, p in paths.items()}
     free, margin = cos["attention-free"], gate["gap"]
     rec = {a: recovery(paths, a) for a in SCREEN_ARMS if a not in ("standard", "attention-free")}
-    def against(x, bar, below):          # a gauge against the gauge value of a recovery bar: outside the band either way, or not measurable
-        g = free + bar * margin
-        if abs(x - g) <= band: return "cannot be measured here"
-        return "reproduces" if (x < g) == below else "does not reproduce"
-    out = []
-    if margin < ROOM_BANDS * band:
-        why = (f"the standard block's margin over the attention-free control is {margin:+.4f}, under {ROOM_BANDS:g} bands ({ROOM_BANDS * band:.3f}): "
-               f"one band is {band / margin:.2f} of the recovery scale, too coarse to read a recovery bar")
-        out += [{"claim": c, "verdict": "cannot be measured here", "why": why} for c in SCREEN_CLAIMS[:3]]
+    g = lambda bar: free + bar * margin                         # the gauge value a recovery bar means
+    def against(x, bar, below):                                 # (verdict, why) of a gauge against a recovery bar, read against the band
+        room = min(bar, 1 - bar) * margin                       # how far the gauge can sit from the bar between the control and the standard
+        if room < band: return "cannot be measured here", (f"a bar of {bar:.2f} leaves {room:+.4f} of room at a margin of {margin:.4f}, under the band {band}: "
+                                                            f"it cannot read both ways (a margin of {band / max(min(bar, 1 - bar), 1e-9):.3f} would)")
+        if abs(x - g(bar)) <= band: return "cannot be measured here", f"the gauge {x:.4f} is within the band {band} of the bar's {g(bar):.4f}"
+        ok = (x < g(bar)) == below
+        return ("reproduces" if ok else "does not reproduce"), f"the gauge {x:.4f} is {'below' if x < g(bar) else 'above'} the bar's {g(bar):.4f} by more than the band"
+    v, w = against(cos["collapse"], COLLAPSE_BAR, True)
+    out = [{"claim": SCREEN_CLAIMS[0], "verdict": v, "why": f"the collapse recovers {rec['collapse']:.2f} of the standard block's margin {margin:.4f} (the bar: below {COLLAPSE_BAR}); {w}"}]
+    if rec["collapse"] <= 0:
+        out.append({"claim": SCREEN_CLAIMS[1], "verdict": "cannot be measured here",
+                    "why": f"the collapse recovers {rec['collapse']:.2f}: a multiple of a recovery at or below the attention-free control's means nothing"})
     else:
-        g = lambda bar: free + bar * margin
-        out.append({"claim": SCREEN_CLAIMS[0], "verdict": against(cos["collapse"], COLLAPSE_BAR, True),
-                    "why": f"the collapse recovers {rec['collapse']:.2f} of the standard block's margin {margin:.4f} (the bar: below {COLLAPSE_BAR}, "
-                           f"a gauge below {g(COLLAPSE_BAR):.4f} by more than the band {band}; within the band: not measurable)"})
-        need = {c: cos["collapse"] + band if rec["collapse"] <= 0 else max(cos["collapse"] + band, g(CURE_MULTIPLE * rec["collapse"])) for c in SPLAT_CURES}
-        ok = {c: cos[c] > need[c] for c in SPLAT_CURES}
-        out.append({"claim": SCREEN_CLAIMS[1], "verdict": "reproduces" if all(ok.values()) else "does not reproduce",
-                    "why": ", ".join(f"{c} {rec[c]:.2f} ({cos[c]:.4f}{'' if ok[c] else ', fails'})" for c in SPLAT_CURES)
-                           + f" vs the collapse's {rec['collapse']:.2f} ({cos['collapse']:.4f}); the bar: each cure at least {CURE_MULTIPLE:g}x the "
-                             f"collapse's recovery and above its gauge by more than the band {band}: a gauge above {need['rope']:.4f}"})
-        out.append({"claim": SCREEN_CLAIMS[2], "verdict": against(cos["all three"], ALL_THREE_BAR, False),
-                    "why": f"all three recover {rec['all three']:.2f} (the bar: at least {ALL_THREE_BAR}, a gauge above {g(ALL_THREE_BAR):.4f} by more than "
-                           f"the band {band}; within it: not measurable); raw gauge {cos['all three']:.4f} of the standard's {cos['standard']:.4f} "
-                           f"({cos['all three'] / cos['standard']:.3f}; the attention-free control alone {free / cos['standard']:.3f})"})
+        reads = {c: against(cos[c], CURE_MULTIPLE * rec["collapse"], False) for c in SPLAT_CURES}
+        got = [r[0] for r in reads.values()]
+        v = "does not reproduce" if "does not reproduce" in got else "cannot be measured here" if "cannot be measured here" in got else "reproduces"
+        out.append({"claim": SCREEN_CLAIMS[1], "verdict": v, "why": f"the bar: each cure at least {CURE_MULTIPLE:g}x the collapse's recovery {rec['collapse']:.2f}; "
+                    + "; ".join(f"{c} recovers {rec[c]:.2f}: {r[0]} ({r[1]})" for c, r in reads.items())})
+    v, w = against(cos["all three"], ALL_THREE_BAR, False)
+    out.append({"claim": SCREEN_CLAIMS[2], "verdict": v, "why": f"all three recover {rec['all three']:.2f} (the bar: at least {ALL_THREE_BAR}); {w}; raw gauge "
+                f"{cos['all three']:.4f} of the standard's {cos['standard']:.4f} (the attention-free control alone {free / cos['standard']:.3f} of it)"})
     std = paths["standard"]; quarter = std[-1]["step"] / 4
     at = min(std, key=lambda p: abs(p["step"] - quarter))      # the standard block's gauge at a quarter of the budget: up to 4x is readable
-    took = steps_to_reach(paths["all three"], at["target_cosine"])
     lo, hi = STEPS_MULTIPLE
-    if took is None:
-        out.append({"claim": SCREEN_CLAIMS[3], "verdict": "cannot be measured here",
-                    "why": f"all three never reach the standard block's gauge at step {at['step']} ({at['target_cosine']:.4f}) within {std[-1]['step']} steps "
-                           f"(more than {std[-1]['step'] / at['step']:.1f}x)"})
-    else:
-        x = took / at["step"]
-        out.append({"claim": SCREEN_CLAIMS[3], "verdict": "reproduces" if lo <= x <= hi else "does not reproduce",
-                    "why": f"all three reach the standard block's step-{at['step']} gauge ({at['target_cosine']:.4f}) at step {took}: {x:.1f}x (the bar: {lo:g}x to {hi:g}x)"})
+    x = {d: (lambda t: math.inf if t is None else t / at["step"])(steps_to_reach(paths["all three"], at["target_cosine"] + d)) for d in (-band, band)}
+    inside = [lo <= v <= hi for v in x.values()]
+    v = "reproduces" if all(inside) else "does not reproduce" if (all(v < lo for v in x.values()) or all(v > hi for v in x.values())) else "cannot be measured here"
+    out.append({"claim": SCREEN_CLAIMS[3], "verdict": v,
+                "why": f"all three reach the standard block's step-{at['step']} gauge ({at['target_cosine']:.4f}) less and plus the band {band} at "
+                       + " and ".join("never (more than {:.1f}x)".format(std[-1]["step"] / at["step"]) if v == math.inf else f"{v:.1f}x" for v in x.values())
+                       + f" the steps (the bar: both within {lo:g}x to {hi:g}x; both outside on one side: does not reproduce)"})
     return out
 
 
 # %% ../nbs/10_block.ipynb #e7390889
+PILOT_SEEDS = {"recall": (0,)}   # substrate -> seeds whose collapse a pilot showed before COLLAPSE_BAR was set (disclosed above)
+
 def screen_results(paths: dict, # arm -> screen_path(...) of one seed, every arm of SCREEN_ARMS
                    cfg: ScreenConfig, # the screens' size (its name is the record's preset)
                    seed: int,
@@ -417,7 +414,10 @@ def screen_results(paths: dict, # arm -> screen_path(...) of one seed, every arm
         if gate["matters"]: f.append(finding(f"{arm.replace(' ', '_')}.recovery", recovery(paths, arm), f"{arm}: recovery (of the standard block's margin)", ".2f"))
     v = [verdict("positive control: attention separates from the attention-free control on this substrate", None, gate["line"],
                  reading="separates" if gate["matters"] else "does not separate")]
-    v += [verdict(c["claim"], c["verdict"], c["why"]) for c in screen_claims(paths)]
+    claims = screen_claims(paths)
+    if seed in PILOT_SEEDS.get(cfg.substrate, ()):           # the collapse of this seed was seen before its bar was set: said where it is read
+        claims[0] = {**claims[0], "why": claims[0]["why"] + f"; post hoc: COLLAPSE_BAR was set after this seed's pilot had shown its collapse"}
+    v += [verdict(c["claim"], c["verdict"], c["why"]) for c in claims]
     rows = [[r["arm"], r["attention"], r["step"], r["target_cosine"], recovery(paths, r["arm"]) if gate["matters"] else None,
              r["peak_share"], r["anchor_cosine"]] for r in screen_table(paths)]
     return results_record("10_splat", cfg.name, seed, findings=f, verdicts=v, data=data, wall_seconds=wall_seconds,

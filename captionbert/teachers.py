@@ -318,21 +318,27 @@ def _bigram_table(view: str) -> np.ndarray:
     perm, sign = _bigram_signed_permutation()
     return np.ascontiguousarray(table[:, perm] * sign)
 
-def _check_bigram_bytes(table: np.ndarray, view: str, where) -> None:
+def _check_bigram_bytes(table: np.ndarray, view: str, where, drawn: bool = False) -> None:
+    "ValueError unless `table` is this code's view `view` (BIGRAM_SHA256); `drawn`: it was just drawn (this NumPy draws another table), else read from `where`."
     got = sha256_bytes(np.ascontiguousarray(table, dtype=np.float32).tobytes())
-    if got != BIGRAM_SHA256[view]:
-        raise ValueError(f"{where}: the recall teacher's view {view} table hashes to {got[:12]}, not {BIGRAM_SHA256[view][:12]}: it is not this "
-                         "code's table (another NumPy drew other numbers, or the file changed); delete the folder and let bigram_root write it again")
+    if got == BIGRAM_SHA256[view]: return
+    if drawn: raise ValueError(f"the recall teacher's view {view} table drawn by NumPy {np.__version__} hashes to {got[:12]}, not "
+                               f"{BIGRAM_SHA256[view][:12]}: this NumPy's Generator draws other numbers, so it would be another teacher. "
+                               "Install the NumPy of constraints-tested.txt, or copy the table.npy of a machine that has it into the cache folder")
+    raise ValueError(f"{where}: the recall teacher's view {view} table hashes to {got[:12]}, not {BIGRAM_SHA256[view][:12]}: it is not this "
+                     "code's table (the file changed); delete its folder and let bigram_root write it again")
 
 def bigram_root(view: str = "a" # one of BIGRAM_VIEWS
                ) -> Path:
     "The recall teacher's folder for one view (table.npy and bigram.json), written once under the cache folder: to a temporary name, then renamed."
     if view not in BIGRAM_VIEWS: raise ValueError(f"the recall teacher has views {list(BIGRAM_VIEWS)}, not {view!r}")
     folder = cache_dir("teachers") / f"bigram-{view}-v{BIGRAM_VERSION}"
-    if (folder / "bigram.json").exists(): return folder
+    if (folder / "bigram.json").exists():
+        if folder.stat().st_uid == os.getuid() and folder.stat().st_mode & 0o055 != 0o055: os.chmod(folder, 0o755)   # written private by older code
+        return folder
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
     try:
-        table = _bigram_table(view); _check_bigram_bytes(table, view, "bigram_root")
+        table = _bigram_table(view); _check_bigram_bytes(table, view, "bigram_root", drawn=True)
         np.save(tmp / "table.npy", table); os.chmod(tmp, 0o755)          # mkdtemp's folder is private: a shared cache is read by others
         atomic_write_json(tmp / "bigram.json", {"view": view, "buckets": BIGRAM_BUCKETS, "dim": BIGRAM_DIM, "seed": BIGRAM_SEED,
                                                 "version": BIGRAM_VERSION, "tokenizer": "the bundled all-MiniLM-L6-v2 WordPiece (bert-base-uncased)",
@@ -355,8 +361,10 @@ def load_bigram(folder: str | Path # a folder bigram_root wrote
     if (meta.get("buckets"), meta.get("dim"), meta.get("version")) != (BIGRAM_BUCKETS, BIGRAM_DIM, BIGRAM_VERSION) or table.shape != (BIGRAM_BUCKETS, BIGRAM_DIM):
         raise ValueError(f"{folder}: a recall-teacher table of version {meta.get('version')} shaped {table.shape}, but this code hashes into "
                          f"{BIGRAM_BUCKETS} x {BIGRAM_DIM} (version {BIGRAM_VERSION}); delete the folder and let bigram_root write it again")
-    if meta.get("view") not in BIGRAM_VIEWS or meta.get("seed") != BIGRAM_SEED:
-        raise ValueError(f"{folder}: a recall-teacher folder of view {meta.get('view')!r} and seed {meta.get('seed')}, not one of this code's views at seed {BIGRAM_SEED}")
+    named = re.fullmatch(r"bigram-([a-z])-v\d+", folder.name)         # bigram_root's folders name their view
+    if meta.get("view") not in BIGRAM_VIEWS or meta.get("seed") != BIGRAM_SEED or (named and named[1] != meta.get("view")):
+        raise ValueError(f"{folder}: a recall-teacher folder of view {meta.get('view')!r} and seed {meta.get('seed')}, not "
+                         + (f"view {named[1]!r} as its name says" if named and named[1] != meta.get("view") else f"one of this code's views at seed {BIGRAM_SEED}"))
     _check_bigram_bytes(table, meta["view"], table_path)
     tok = load_tokenizer("bundled")
     return tok, BigramVectors(torch.from_numpy(table), pad_id=tok.pad_token_id)
