@@ -24,7 +24,7 @@ from .core import Presets, member_of
 from .data import collate, sorted_batches
 from .encoder import CaptionEncoder, EncoderConfig, n_params
 from .gauges import effective_rank
-from .teachers import load_teachers, recall_substrate, reference_member, roster
+from .teachers import load_teachers, reference_member, roster, substrate_overrides
 from .loop import TrainConfig, summed_lr
 from .train import run_consensus_training
 from .recipe import plan_run
@@ -65,7 +65,7 @@ class AlephConfig(Presets):
     dev_task: str = DEV_TASKS[0]              # the dev set (selection only)
     vitals_rows: int = 256                    # held-out rows the routing vitals read at every evaluation
     gallery: int = 1024                       # the fixed gallery of every mimicry R@1 quoted (a key of the gauges' sweep)
-    substrate: str = "captions"               # what the arms learn: "captions" (the train preset's roster and captions) or "recall" (teachers.recall_substrate)
+    substrate: str = "captions"               # what the arms learn: one of teachers.SUBSTRATES (the train preset's roster and captions, or the recall substrate)
     routing_budget: Optional[str] = None      # None: the card's recipe for every parameter; "published": the routing parameters
                                               # (ROUTING_PARAMS) train at lr × routing_budget_scale, the published run's Adam travel
     PRESETS, SIZE_OF = ("smoke", "cpu", "published", "recall"), "AlephLM size"   # core.Presets: preset(name) builds each by its classmethod
@@ -89,12 +89,10 @@ class AlephConfig(Presets):
         if self.routing_budget not in (None, "published"):
             raise ValueError(f"routing_budget {self.routing_budget!r}: use None (the card's recipe) or 'published' (the published run's travel)")
         if self.dev_task in self.tasks: raise ValueError(f"the dev set {self.dev_task!r} cannot also be a reported test set ({self.tasks})")
-        if self.substrate not in ("captions", "recall"): raise ValueError(f"unknown substrate {self.substrate!r}: 'captions' or 'recall'")
-        if self.substrate != "captions" and {"roster", "captions"} & set(dict(self.recipe)):
-            raise ValueError(f"the {self.substrate!r} substrate names its own roster and captions; drop them from the recipe")
+        substrate_overrides(self.substrate, self.train_preset, self.recipe)   # an unknown substrate, or one beside a roster of the recipe's own, is refused
     def train_config(self, arm: str = "a1", **kw):
         "The TrainConfig every arm trains with: the 05_train preset with the AlephLM recipe on top (the same for every arm)."
-        sub = recall_substrate("smoke" if self.train_preset == "smoke" else "cpu") if self.substrate == "recall" else {}
+        sub = substrate_overrides(self.substrate, self.train_preset, (*self.recipe, *kw.items()))   # a roster passed here is refused as in the recipe
         tc = dataclasses.replace(TrainConfig.preset(self.train_preset, **{**dict(self.recipe), **sub, **kw}), name=f"aleph-{arm_of(arm)}-{self.name}")
         if self.routing_budget is None or ARMS[arm_of(arm)][1].get("ffn") != "anchored" or "lr_scales" in kw: return tc
         m = routing_budget_scale(tc, AlephConfig.published().train_config())

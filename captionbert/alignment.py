@@ -20,7 +20,7 @@ from .core import SIZES, GuardError, atomic_path, resolve_preset, sha256_bytes
 from .data import stratified_sample
 from .sources import SYNTHETIC_SPEC, TABLE_FORMATS, default_captions, open_captions
 from .gauges import QuerySetReport, query_set_report, retrieval_r1
-from .teachers import ROSTERS, reference_member, roster as teacher_roster, roster_label, roster_text, teacher_width
+from .teachers import BIGRAM_DIM, ROSTERS, reference_member, roster as teacher_roster, roster_label, roster_text, teacher_width
 
 # %% auto #0
 __all__ = ['MIN_VARIANCE', 'MIN_RANK', 'MIN_RANK_DIMS', 'RANK_TOL', 'PUBLISHED_CAPTIONS', 'RowEmbeddings', 'AlignmentMap',
@@ -374,7 +374,8 @@ class AlignmentConfig:
     # published: the whole v2-B corpus (31,905,616 rows; v2 trains on its first 26,904,576), one set of maps for both siblings,
     # fit on 24k rows (N/d 31.3 at bert-base's 768) drawn from the whole corpus. `limit` is the declared length a streamed
     # source needs; the row check, on `inspect`'s count, makes sure it cuts nothing
-    REFERENCE_WIDTH: ClassVar[dict] = {"hub": 768, "offline": 384, "offline-mixed": 384, "offline-weak": 384}   # the targets' D per roster
+    REFERENCE_WIDTH: ClassVar[dict] = {"hub": 768, "offline": 384, "offline-mixed": 384, "offline-weak": 384,
+                                        "recall": BIGRAM_DIM}   # the targets' D per roster (recall: read without writing its tables)
     PRESETS: ClassVar[tuple] = SIZES         # the preset names: the one vocabulary of run sizes
 
     def __post_init__(self):

@@ -26,14 +26,14 @@ from .stats import band_verdict
 from .loop import TrainConfig
 from .train import run_consensus_training
 from .report import finding, results_record, table, verdict
-from .teachers import recall_substrate
+from .teachers import substrate_overrides
 
 # %% auto #0
-__all__ = ['SPLAT_CURES', 'SPLAT_CELLS', 'SPLAT_TAU', 'SUBSTRATES', 'SCREEN_ARMS', 'ATTENTION_BAND', 'COLLAPSE_BAR',
-           'CURE_MULTIPLE', 'ALL_THREE_BAR', 'STEPS_MULTIPLE', 'SCREEN_CLAIMS', 'PILOT_SEEDS', 'splat_options',
-           'SplatAttention', 'peak_live_bytes', 'measure', 'scaling_benchmark', 'slope', 'ScreenConfig', 'basin_gauge',
-           'basin_extra', 'screen_dir', 'train_screen', 'screen_path', 'steps_to_reach', 'attention_verdict',
-           'screen_table', 'recovery', 'screen_claims', 'screen_results']
+__all__ = ['SPLAT_CURES', 'SPLAT_CELLS', 'SPLAT_TAU', 'SCREEN_ARMS', 'ATTENTION_BAND', 'COLLAPSE_BAR', 'CURE_MULTIPLE',
+           'ALL_THREE_BAR', 'STEPS_MULTIPLE', 'SCREEN_CLAIMS', 'PILOT_SEEDS', 'splat_options', 'SplatAttention',
+           'peak_live_bytes', 'measure', 'scaling_benchmark', 'slope', 'ScreenConfig', 'basin_gauge', 'basin_extra',
+           'screen_dir', 'train_screen', 'screen_path', 'steps_to_reach', 'attention_verdict', 'screen_table',
+           'recovery', 'screen_claims', 'screen_results']
 
 # %% ../nbs/10_block.ipynb #a049343b
 SPLAT_CURES = ("rope", "frame", "codebooks")   # the routing's own parameters; "splat" alone has all three, "splat:frozen" none
@@ -181,8 +181,6 @@ def slope(rows: list[dict], kind: str, key: str = "seconds") -> float:
     return math.log(b / a) / math.log(l1 / l0)
 
 # %% ../nbs/10_block.ipynb #ce78de1b
-SUBSTRATES = ("captions", "recall")   # what the screens learn: the train preset's own targets, or the recall teacher's bigrams on the scene grammar (teachers.recall_substrate)
-
 SCREEN_ARMS = {   # the paired screens: label -> EncoderConfig.attention (same seed, data, batches and steps for every arm)
     "standard": "sdpa",              # the standard (SDPA) block: the reference the training gauge is matched against
     "attention-free": "none",        # the control that mixes no tokens (SDPA's parameters): does attention matter on this task at all?
@@ -202,7 +200,7 @@ class ScreenConfig(Presets):
     recipe: tuple = (("max_steps", 300), ("warmup_steps", 30), ("eval_every", 25), ("precision", None))   # TrainConfig overrides, (key, value) pairs; fp32 on a CPU, the precision its record was measured at (not the cpu preset's native)
     arms: tuple = tuple(SCREEN_ARMS)  # the arms screened
     basin_rows: int = 128             # held-out rows the basin gauge reads at every evaluation
-    substrate: str = "captions"       # what the arms learn: "captions" (the train preset's roster and captions) or "recall" (SUBSTRATES)
+    substrate: str = "captions"       # what the arms learn: one of teachers.SUBSTRATES (the train preset's roster and captions, or the recall substrate)
     PRESETS, SIZE_OF = ("smoke", "cpu", "recall"), "screen size"   # core.Presets: preset(name) builds each by its classmethod (CUDA runs the cpu size)
     @classmethod
     def smoke(cls, **kw):   # the tests: the code path, four arms
@@ -216,12 +214,10 @@ class ScreenConfig(Presets):
     def __post_init__(self):
         bad = [a for a in self.arms if a not in SCREEN_ARMS]
         if bad: raise ValueError(f"unknown screen arms {bad}: the arms are {list(SCREEN_ARMS)}")
-        if self.substrate not in SUBSTRATES: raise ValueError(f"unknown screen substrate {self.substrate!r}: one of {list(SUBSTRATES)}")
-        if self.substrate != "captions" and {"roster", "captions"} & set(dict(self.recipe)):
-            raise ValueError(f"the {self.substrate!r} substrate names its own roster and captions; drop them from the recipe")
+        substrate_overrides(self.substrate, self.train_preset, self.recipe)   # an unknown substrate, or one beside a roster of the recipe's own, is refused
     def train_config(self, arm: str):
         "The one TrainConfig every arm trains with (only the name differs): the recipe, on the substrate's roster and captions."
-        sub = recall_substrate("smoke" if self.train_preset == "smoke" else "cpu") if self.substrate == "recall" else {}
+        sub = substrate_overrides(self.substrate, self.train_preset, self.recipe)
         return dataclasses.replace(TrainConfig.preset(self.train_preset, **dict(self.recipe), **sub), name=f"splat-{arm.replace(' ', '-')}-{self.name}")
     def encoder_config(self, arm: str) -> EncoderConfig:
         "The arm's encoder: the architecture at this size with the arm's attention."

@@ -20,14 +20,15 @@ from .data import bundled_minilm_path, cache_dir, collate, load_tokenizer, sorte
 # %% auto #0
 __all__ = ['HUB_TEACHERS', 'ROSTERS', 'TEACHERS_EXTRA', 'PARAPHRASE_DIST', 'PARAPHRASE_ONNX', 'GLOVE_MODULE', 'CONVERT_VERSION',
            'STATIC_FAMILIES', 'BIGRAM_BUCKETS', 'BIGRAM_DIM', 'BIGRAM_SEED', 'BIGRAM_VERSION', 'BIGRAM_VIEWS',
-           'BIGRAM_SHA256', 'RECALL_ROWS', 'TINY_FAMILY_CONFIGS', 'NAMED_TEACHER', 'POOLING', 'HUB_ID', 'ST_MODULES',
-           'PROBE_TEXTS', 'TeacherSpec', 'offline_teachers', 'paraphrase_teachers', 'glove_teacher', 'roster',
-           'reference_member', 'missing_extra', 'paraphrase_minilm_onnx', 'glove_root', 'onnx_bert_weights',
+           'BIGRAM_SHA256', 'RECALL_ROWS', 'SUBSTRATES', 'TINY_FAMILY_CONFIGS', 'NAMED_TEACHER', 'POOLING', 'HUB_ID',
+           'ST_MODULES', 'PROBE_TEXTS', 'TeacherSpec', 'offline_teachers', 'paraphrase_teachers', 'glove_teacher',
+           'roster', 'reference_member', 'missing_extra', 'paraphrase_minilm_onnx', 'glove_root', 'onnx_bert_weights',
            'convert_onnx_bert', 'GloveTokenizer', 'WordVectors', 'load_glove', 'load_source', 'bigram_bucket',
-           'BigramVectors', 'bigram_root', 'load_bigram', 'bigram_teacher', 'recall_substrate', 'mean_pool',
-           'TeacherGroup', 'require_source', 'load_teachers', 'save_tiny_teacher', 'file_sha256', 'teacher_identity',
-           'teacher_identities', 'identity_changes', 'check_teachers', 'named_teacher', 'parse_teacher', 'roster_text',
-           'roster_label', 'st_layout', 'teacher_spec', 'parse_roster', 'teacher_width', 'probe_teachers']
+           'BigramVectors', 'bigram_root', 'load_bigram', 'bigram_teacher', 'recall_substrate', 'substrate_overrides',
+           'mean_pool', 'TeacherGroup', 'require_source', 'load_teachers', 'save_tiny_teacher', 'file_sha256',
+           'teacher_identity', 'teacher_identities', 'identity_changes', 'check_teachers', 'named_teacher',
+           'parse_teacher', 'roster_text', 'roster_label', 'st_layout', 'teacher_spec', 'parse_roster', 'teacher_width',
+           'probe_teachers']
 
 # %% ../nbs/01a_teachers.ipynb #d79a4f64
 @dataclasses.dataclass(frozen=True)
@@ -383,6 +384,20 @@ def recall_substrate(size: str = "cpu" # a key of RECALL_ROWS
     "The recall substrate as TrainConfig overrides (a study's recipe adds them): the recall roster over RECALL_ROWS[size] scene-grammar captions."
     if size not in RECALL_ROWS: raise ValueError(f"the recall substrate has sizes {list(RECALL_ROWS)}, not {size!r}")
     return {"roster": "recall", "captions": f"synthetic:{RECALL_ROWS[size]}"}
+
+SUBSTRATES = ("captions", "recall")   # what a study's arms learn: its train preset's own roster and captions, or the recall substrate
+
+def substrate_overrides(substrate: str, # one of SUBSTRATES
+                        train_preset: str, # the study's 05_train preset (smoke reads the smoke-sized substrate)
+                        recipe=() # the study's own TrainConfig overrides, (key, value) pairs
+                       ) -> dict:
+    "The TrainConfig overrides a study's substrate adds to its recipe (none for 'captions'); ValueError for an unknown substrate, or a recipe naming its own roster or captions beside one."
+    if substrate not in SUBSTRATES: raise ValueError(f"unknown substrate {substrate!r}: one of {list(SUBSTRATES)}")
+    if substrate == "captions": return {}
+    if {"roster", "captions"} & set(dict(recipe)):
+        raise ValueError(f"the {substrate!r} substrate names its own roster and captions; drop them from the recipe")
+    if train_preset not in RECALL_ROWS: raise ValueError(f"the recall substrate has sizes {list(RECALL_ROWS)}; train preset {train_preset!r} is none of them")
+    return recall_substrate(train_preset)
 
 # %% ../nbs/01a_teachers.ipynb #7c801f78
 def mean_pool(hidden: torch.Tensor, # [B, L, D] hidden states
