@@ -210,7 +210,7 @@ class ScreenConfig(Presets):
     def cpu(cls, **kw): return cls(**kw)   # every arm
     @classmethod
     def recall(cls, **kw):   # every arm on the recall substrate, at the cpu preset's native precision (bf16 where the CPU has it)
-        return cls(**{"name": "recall", "substrate": "recall", "recipe": (("max_steps", 300), ("warmup_steps", 30), ("eval_every", 25)), **kw})
+        return cls(**{"name": "recall", "substrate": "recall", "recipe": (("max_steps", 600), ("warmup_steps", 60), ("eval_every", 50)), **kw})
     def __post_init__(self):
         bad = [a for a in self.arms if a not in SCREEN_ARMS]
         if bad: raise ValueError(f"unknown screen arms {bad}: the arms are {list(SCREEN_ARMS)}")
