@@ -10,21 +10,30 @@ import dataclasses, json
 from pathlib import Path
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 from .alignment import AlignmentConfig
-from .benchmark import DEV_TASKS, TASK_NAMES
-from .core import GuardError, Presets, sha256_bytes, to_jsonable
-from .data import collate, runs_dir, sorted_batches
+from .benchmark import DEV_TASKS, TASK_NAMES, pooled_outputs
+from .core import GuardError, Presets, RunDir, set_seed, sha256_bytes, to_jsonable
+from .data import collate, load_tokenizer, runs_dir, sorted_batches, token_store
+from .gauges import ridge_predictor
 from .pairs import FlickrImages, caption_pairs, flickr_unavailable, load_flickr_images
 from .encoder import CaptionEncoder, EncoderConfig, n_params
-from .loop import TrainConfig, recipe_changes
-from .recipe import plan_run, resolve_encoder_config, train_memory_estimate
-from .adapters import AmoeModel, Arm, HUB_PAIRS, grammar_pairs, hub_pairs
+from .loop import BatchPlan, ConsensusLoss, TrainConfig, recipe_changes, train
+from .recipe import (assert_same_rows, caption_source, plan_run, resolve_encoder_config, resolve_targets, run_rows, texts_of,
+                                train_memory_estimate)
+from .stats import paired_verdict
+from .teachers import RECALL_ROWS, substrate_overrides
+from .adapters import AmoeModel, Arm, ArmLibrary, HUB_PAIRS, backbone_fingerprint, grammar_pairs, hub_pairs
 
 # %% auto #0
-__all__ = ['PAIR_SOURCES', 'BACKBONE_SEED', 'amplitude_shares', 'greedy_roster', 'ArmStudyConfig', 'study_pairs', 'backbone_runs',
-           'backbone_expectation', 'check_backbone_run', 'resolve_backbones']
+__all__ = ['PAIR_SOURCES', 'BACKBONE_SEED', 'RELATION_BAND', 'RELATION_LAMBDA', 'RELATION_PROBE_ROWS', 'amplitude_shares',
+           'greedy_roster', 'ArmStudyConfig', 'study_pairs', 'backbone_runs', 'backbone_expectation',
+           'check_backbone_run', 'resolve_backbones', 'RelationData', 'relation_data', 'RelationHead',
+           'train_relation_arm', 'probe_cosines', 'relation_read', 'relation_control']
 
 # %% ../nbs/06_amoe.ipynb #b67718f1
 @torch.no_grad()
@@ -87,13 +96,14 @@ class ArmStudyConfig(Presets):
     tasks: tuple = TASK_NAMES                 # the test sets every result is reported on
     dev_task: str = DEV_TASKS[0]              # the dev set every selection is made on (never reported as a result)
     retrieval_images: Optional[int] = None    # Flickr8k held-out images the retrieval task ranks (a seeded subset); None: all 1,000 a split
+    relation_size: str = "cpu"                # the recall substrate's size (teachers.RECALL_ROWS) the positive control's arm learns (below)
     siblings: tuple = (("A", None, 0.82), ("B", None, 1.0))   # 07's two backbones: (name, 05_train preset or None = backbone_preset,
                                               #   fraction of the captions, or None = the preset's own rows and steps)
     @classmethod
     def cpu(cls, **kw): return cls(**{"name": "cpu", **kw})
     @classmethod
     def smoke(cls, **kw): return cls(**{"name": "smoke", "backbone_preset": "smoke", "rank": 8, "steps": 15, "key_steps": 15, "batch_size": 32,
-                                       "pairs": 512, "pair_source": "grammar", "retrieval_images": 100, "sweep_seeds": (0,), "tasks": ("stsb", "biosses"), **kw})
+                                       "pairs": 512, "pair_source": "grammar", "retrieval_images": 100, "relation_size": "smoke", "sweep_seeds": (0,), "tasks": ("stsb", "biosses"), **kw})
     @classmethod
     def published(cls, **kw):
         "The published study: three arms of rank 132 (1,629,744 adapter parameters each) on the v2 trunk, the hub pair sets; 07's siblings v2 and v2-B."
@@ -106,6 +116,7 @@ class ArmStudyConfig(Presets):
         if self.dev_task in self.tasks: raise ValueError(f"the dev set {self.dev_task!r} cannot also be a reported test set ({self.tasks})")
         if not self.taus or not self.sweep_seeds: raise ValueError("the sweep needs at least one temperature and one seed")
         if self.pair_source not in PAIR_SOURCES: raise ValueError(f"unknown pair source {self.pair_source!r}: one of {list(PAIR_SOURCES)}")
+        if self.relation_size not in RECALL_ROWS: raise ValueError(f"unknown relation size {self.relation_size!r}: the recall substrate has {list(RECALL_ROWS)}")
         if len(self.siblings) != 2: raise ValueError(f"a transplant needs two sibling backbones, got {self.siblings}")
         frames = {n: TrainConfig.preset(p).alignment for n, p, _ in self.sibling_runs()}   # the targets' alignment preset: their frame
         if len(set(frames.values())) != 1:
@@ -136,6 +147,7 @@ class ArmStudyConfig(Presets):
                 "trunk_with_library_params": trunk + len(arms) * (arm.n_adapter_params + e.hidden),
                 "pairs_from": {t: HUB_PAIRS[t][0] for t in arms} if self.pair_source == "hub" else self.pair_source,
                 "taus": list(self.taus), "sweep_seeds": list(self.sweep_seeds), "backbones": backbones,
+                "relation_control": {"substrate": "recall", "rows": RECALL_ROWS[self.relation_size], "steps": self.steps} if section == "06_amoe" else None,
                 "backbone_runs": {p: f"runs/05_train-{p}-seed{b}" for p in own}}   # the 05 runs the Run section reads (and checks: resolve_backbones)
         for p, d in plan["backbone_runs"].items():            # the folder 05's own plan names for that trunk's run (its export stage)
             named = plan_run(p, b)["run_dir"]
@@ -226,3 +238,87 @@ def resolve_backbones(cfg: ArmStudyConfig, # the study
         raise GuardError(f"the siblings must share one target frame (one set of maps), got " +
                          ", ".join(f"{n}: {f[:12]} ({out[n][0]})" for n, f in frames.items()) + ": train both on the plan's one targets folder")
     return out
+
+# %% ../nbs/06_amoe.ipynb #311233b5
+RELATION_BAND = 0.01          # declared before any read: the recall arm beats the random arm when the paired 95% interval of its held-out target-cosine advantage lies above this
+RELATION_LAMBDA = 0.01        # the relation probe's ridge penalty (the binding probe's value, 09)
+RELATION_PROBE_ROWS = 4096    # training rows the probe is fit on (a seeded sample; all of them where there are fewer)
+
+@dataclasses.dataclass
+class RelationData:
+    "The relation the control's arm learns: the recall substrate's targets and token rows, and the rows trained on, fit on and read on."
+    targets: object               # recipe.resolve_targets: ConsensusTargets (.targets[row ids] -> [n, K], .fingerprint)
+    corpus: object                # data.TokenStore of its captions
+    train_rows: np.ndarray        # the arm trains on these
+    probe_rows: np.ndarray        # the probe is fit on these (a sample of the training rows)
+    test_rows: np.ndarray         # held out from both: the probe is read here
+    texts: list                   # the captions of test_rows (a caption is the bootstrap's unit: repeated captions are drawn together)
+    def __repr__(self):
+        return (f"RelationData({self.targets.manifest['config'].get('roster')} targets {self.targets.fingerprint[:12]}, {len(self.train_rows)} training rows, "
+                f"probe fit on {len(self.probe_rows)}, read on {len(self.test_rows)} held out)")
+
+def relation_data(cfg: ArmStudyConfig, # the study (its relation_size: a teachers.RECALL_ROWS size)
+                  seed: int, work, # the study's seed, and a folder for the targets' roster reading
+                  device=None, progress: bool = False) -> RelationData:
+    "The recall substrate at the study's relation size: its targets (built once, shared with 08 and 10), its token rows, and the rows (05's run_rows split; the probe's sample seeded)."
+    tc = TrainConfig.preset(cfg.relation_size, **substrate_overrides("recall", cfg.relation_size))
+    tg = resolve_targets("auto", tc, Path(work), device=device, progress=progress)
+    source = caption_source(tg)
+    corpus = token_store(source, load_tokenizer(), tc.max_tokens, progress=False)
+    assert_same_rows(corpus, tg)
+    rows = run_rows(tc, len(corpus), seed, lengths=corpus.lengths)
+    probe = np.sort(np.random.default_rng([seed, 6]).choice(rows.train, min(RELATION_PROBE_ROWS, len(rows.train)), replace=False))
+    return RelationData(tg, corpus, rows.train, probe, rows.eval, texts_of(source, rows.eval))
+
+class RelationHead(nn.Module):
+    "A model with an arm, and a training-only map from its sentence vectors to a relation's targets: the arm learns the relation through the map; the probe that reads it is refit per model, so the map is never read."
+    def __init__(self, model: AmoeModel, width: int, seed: int = 0):
+        super().__init__()
+        self.model, self.map = model, nn.Linear(model.config.out_dim, width)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad(): self.map.weight.normal_(0, model.config.out_dim ** -0.5, generator=g); self.map.bias.zero_()
+    @property
+    def config(self) -> EncoderConfig: return dataclasses.replace(self.model.config, out_dim=self.map.out_features)
+    def forward(self, input_ids, attention_mask=None, **kw):
+        out = self.model(input_ids, attention_mask, **kw)
+        return dataclasses.replace(out, pooler_output=F.normalize(self.map(out.pooler_output), dim=-1))
+
+def train_relation_arm(backbone: CaptionEncoder, # frozen
+                       arm: Arm, # the arm to train (its adapters and key)
+                       data: RelationData, cfg: TrainConfig, run_dir, # cfg: the study's arm recipe (ArmStudyConfig.train_config)
+                       tau: float = 0.10, seed: int = 0, device=None, progress: bool = False):
+    "Train one arm solo on a frozen backbone toward the relation's targets (05's ConsensusLoss through RelationHead's map), on the workbook's one loop; returns the TrainResult."
+    set_seed(seed)
+    model = AmoeModel(backbone, ArmLibrary([arm], tau=tau, backbone_fingerprint=backbone_fingerprint(backbone)))
+    head = RelationHead(model, data.targets.targets.dim, seed=seed).to(next(arm.parameters()).device)
+    corpus = {"targets_fingerprint": data.targets.fingerprint, "backbone": model.library.backbone_fingerprint, "tau": tau,
+              "train_rows": int(len(data.train_rows)), "train_rows_sha256": sha256_bytes(np.asarray(data.train_rows, np.int64).tobytes())}
+    return train(head, BatchPlan(data.corpus, data.train_rows, cfg.batch_size, seed=seed), ConsensusLoss(data.targets.targets),
+                 cfg, RunDir(run_dir), corpus, resume=False, device=device, progress=progress)
+
+def probe_cosines(fit_x, fit_y, # [N, D] sentence vectors and [N, K] targets the probe is fit on
+                  test_x, test_y, # the held-out rows it is read on
+                  lam: float = RELATION_LAMBDA) -> np.ndarray:
+    "Per held-out row, the cosine of a ridge probe's prediction (fit on fit_x -> fit_y) to the row's target [M]."
+    pred = ridge_predictor(fit_x, fit_y, lam)(test_x)
+    return F.cosine_similarity(pred, torch.as_tensor(test_y).double(), dim=-1).numpy()
+
+@torch.no_grad()
+def relation_read(models: dict, # name -> a model whose output has pooler_output (the bare backbone, an AmoeModel with arms)
+                  data: RelationData, lam: float = RELATION_LAMBDA, batch_size: int = 128) -> dict:
+    "Each model's held-out target cosine under a ridge probe refit on its own sentence vectors: name -> per-row cosines [M]."
+    fit_ids, test_ids = [data.corpus[int(r)] for r in data.probe_rows], [data.corpus[int(r)] for r in data.test_rows]
+    fit_y, test_y = data.targets.targets[data.probe_rows], data.targets.targets[data.test_rows]
+    return {n: probe_cosines(pooled_outputs(m, fit_ids, batch_size), fit_y, pooled_outputs(m, test_ids, batch_size), test_y, lam)
+            for n, m in models.items()}
+
+def relation_control(read: dict, # relation_read's output: it holds "recall arm" and "random arm"
+                     texts: Sequence[str], # the held-out rows' captions (the bootstrap's units)
+                     band: float = RELATION_BAND) -> dict:
+    "The positive control: the recall arm against the random arm on the same held-out rows (stats.paired_verdict, whole captions drawn); `separates` only when its interval lies above the band."
+    missing = [n for n in ("recall arm", "random arm") if n not in read]
+    if missing: raise KeyError(f"the relation control reads the recall arm against the random arm; the read lacks {missing}")
+    v = paired_verdict(read["recall arm"], read["random arm"], band, groups=list(texts), names=("recall arm", "random arm"))
+    lo, hi = v["advantage_ci95"]
+    return {**v, "separates": v["verdict"] == "recall arm better",
+            "line": f"recall arm {v['a']:.4f} vs random arm {v['b']:.4f}: {v['advantage']:+.4f} (95% {lo:+.4f} to {hi:+.4f}, {v['units']} captions; band {band}): {v['verdict']}"}

@@ -19,7 +19,7 @@ from .arm import seam_positions
 from .core import GuardError
 from .data import Batch, collate
 from .sources import ATTRIBUTE_KINDS, NOUNS, Scene, SceneGrammar
-from .gauges import effective_rank
+from .gauges import effective_rank, ridge_predictor
 from .stats import bootstrap_interval
 
 # %% auto #0
@@ -221,14 +221,6 @@ BINDING_LAMBDA = 0.01   # the binding probe's ridge penalty (printed with every 
 RECOVERY_BAR = 0.90     # declared before any read: the token identified from its final state (the card reads .984 on its trunks)
 RANK_BAR = 1.10         # declared before any read: arms "raise" the token-grid rank when it grows by at least 10% (the card: 12-17%)
 
-def _ridge(X: torch.Tensor, Y: torch.Tensor, lam: float) -> Callable:
-    "Ridge regression X [N, D] -> Y [N, K] on standardized features (fp64); returns the predictor."
-    X, Y = X.double(), Y.double()
-    mu, sd, ybar = X.mean(0), X.std(0).clamp_min(1e-6), Y.mean(0)
-    Z = (X - mu) / sd
-    W = torch.linalg.solve(Z.T @ Z + lam * len(Z) * torch.eye(Z.shape[1], dtype=Z.dtype), Z.T @ (Y - ybar))
-    return lambda x: ((x.double() - mu) / sd) @ W + ybar
-
 DIRECTIONS = ("object_to_attribute", "attribute_to_object")   # the two reads of binding: "holds" needs both
 
 def binding_holds(read: dict, # a binding read: binding_probe's output, a spectrum row or a band read (both directions)
@@ -257,7 +249,7 @@ def binding_probe(fit_states: torch.Tensor, fit: ProbeSet, # [2N, L, D] states o
     out, per_item = {}, {}
     for d, name in zip(("object", "attribute"), DIRECTIONS):
         X, y, _, k = _binding_read(fit_states, fit, d)
-        predict = _ridge(X, F.one_hot(y, k).double(), lam)
+        predict = ridge_predictor(X, F.one_hot(y, k).double(), lam)
         X, y, other, _ = _binding_read(eval_states, held, d)
         s = predict(X)                                                            # [M, k] class scores
         right, wrong = s.gather(1, y[:, None]), s.gather(1, other[:, None])
@@ -293,7 +285,7 @@ def token_recoverability(fit_states: torch.Tensor, fit: Batch, # [B, L, D] state
         m = b.attention_mask.bool() & ~torch.isin(b.input_ids, torch.tensor(special))
         return states[m], b.input_ids[m], m.nonzero()[:, 0]                       # the states, their tokens, and each one's sentence
     (X, ids, _), (Xe, ide, sent) = real(fit_states, fit), real(eval_states, held)
-    predict = _ridge(X, table[ids], lam)
+    predict = ridge_predictor(X, table[ids], lam)
     every = torch.arange(table.shape[0])
     cands = every[~torch.isin(every, torch.tensor(list(special)))] if vocabulary else torch.unique(torch.cat([ids, ide]))
     P, T = F.normalize(predict(Xe).float(), dim=-1), F.normalize(table[cands], dim=-1)

@@ -17,7 +17,8 @@ from .core import GuardError
 
 # %% auto #0
 __all__ = ['effective_rank', 'entropy_effective_rank', 'self_cosine', 'simplex_volumes', 'simplex_cv', 'RetrievalReport',
-           'retrieval_r1', 'mimicry_r1', 'QuerySetReport', 'query_set_report', 'rankdata', 'spearman']
+           'retrieval_r1', 'mimicry_r1', 'QuerySetReport', 'query_set_report', 'ridge_predictor', 'rankdata',
+           'spearman']
 
 # %% ../nbs/00a_gauges.ipynb #729c5956
 def _f64(x) -> torch.Tensor:
@@ -186,6 +187,24 @@ def query_set_report(texts: Sequence[str], # the queries
         length_min=int(lens.min()), length_p50=float(np.percentile(lens, 50)), length_p99=float(np.percentile(lens, 99)),
         length_max=int(lens.max()), length_mean=float(lens.mean()), hist_counts=counts.tolist(), hist_edges=edges.tolist(),
         effective_rank=effective_rank(x), entropy_effective_rank=entropy_effective_rank(x), mean_pairwise_cosine=self_cosine(x))
+
+# %% ../nbs/00a_gauges.ipynb #dfb1490b
+def ridge_predictor(X, # [N, D] features
+                    Y, # [N, K] what they should predict
+                    lam: float # the penalty, times N, on standardized features (declared by the caller, before any read)
+                   ):
+    "Ridge regression X [N, D] -> Y [N, K] on standardized features (fp64); returns the predictor x [M, D] -> [M, K]."
+    X, Y = _f64(X), _f64(Y)
+    if len(X) != len(Y): raise ValueError(f"a ridge fit needs one target row a feature row: {len(X)} feature rows, {len(Y)} target rows")
+    if not np.isfinite(lam) or lam <= 0: raise ValueError(f"the ridge penalty is a finite number > 0, got {lam!r}")
+    mu, sd, ybar = X.mean(0), X.std(0).clamp_min(1e-6), Y.mean(0)
+    Z = (X - mu) / sd
+    W = torch.linalg.solve(Z.T @ Z + lam * len(Z) * torch.eye(Z.shape[1], dtype=Z.dtype), Z.T @ (Y - ybar))
+    def predict(x):
+        x = _f64(x)
+        if x.shape[1] != len(mu): raise ValueError(f"the probe was fit on {len(mu)} features; got rows of {x.shape[1]}")
+        return ((x - mu) / sd) @ W + ybar
+    return predict
 
 # %% ../nbs/00a_gauges.ipynb #63cff9ed
 def rankdata(a) -> np.ndarray:
