@@ -30,10 +30,11 @@ from .teachers import RECALL_ROWS, substrate_overrides
 from .adapters import AmoeModel, Arm, ArmLibrary, HUB_PAIRS, backbone_fingerprint, grammar_pairs, hub_pairs
 
 # %% auto #0
-__all__ = ['PAIR_SOURCES', 'BACKBONE_SEED', 'RELATION_BAND', 'RELATION_LAMBDA', 'RELATION_PROBE_ROWS', 'amplitude_shares',
-           'greedy_roster', 'ArmStudyConfig', 'study_pairs', 'backbone_runs', 'backbone_expectation',
-           'check_backbone_run', 'resolve_backbones', 'RelationData', 'relation_data', 'RelationHead',
-           'train_relation_arm', 'probe_cosines', 'relation_read', 'relation_control']
+__all__ = ['PAIR_SOURCES', 'BACKBONE_SEED', 'RELATION_BAND', 'RELATION_LAMBDA', 'RELATION_PROBE_ROWS', 'RELATION_RIVALS',
+           'amplitude_shares', 'greedy_roster', 'ArmStudyConfig', 'study_pairs', 'backbone_runs',
+           'backbone_expectation', 'check_backbone_run', 'resolve_backbones', 'RelationData', 'held_out_captions',
+           'relation_data', 'PermutedTargets', 'RelationHead', 'train_relation_arm', 'probe_cosines', 'relation_read',
+           'relation_control', 'gated_verdict']
 
 # %% ../nbs/06_amoe.ipynb #b67718f1
 @torch.no_grad()
@@ -240,35 +241,69 @@ def resolve_backbones(cfg: ArmStudyConfig, # the study
     return out
 
 # %% ../nbs/06_amoe.ipynb #311233b5
-RELATION_BAND = 0.01          # declared before any read: the recall arm beats the random arm when the paired 95% interval of its held-out target-cosine advantage lies above this
+RELATION_BAND = 0.01          # declared before any read: the recall arm beats an arm when the paired 95% interval of its held-out target-cosine advantage lies above this
 RELATION_LAMBDA = 0.01        # the relation probe's ridge penalty (the binding probe's value, 09)
 RELATION_PROBE_ROWS = 4096    # training rows the probe is fit on (a seeded sample; all of them where there are fewer)
+RELATION_RIVALS = ("random arm", "shuffled-target arm")   # what the recall arm must beat: an arm never trained, and one trained the same way on a relation that is none
 
 @dataclasses.dataclass
 class RelationData:
-    "The relation the control's arm learns: the recall substrate's targets and token rows, and the rows trained on, fit on and read on."
+    "The relation the control's arm learns: the recall substrate's targets and token rows, and the rows trained on, fit on, selected on and read on."
     targets: object               # recipe.resolve_targets: ConsensusTargets (.targets[row ids] -> [n, K], .fingerprint)
     corpus: object                # data.TokenStore of its captions
     train_rows: np.ndarray        # the arm trains on these
     probe_rows: np.ndarray        # the probe is fit on these (a sample of the training rows)
-    test_rows: np.ndarray         # held out from both: the probe is read here
-    texts: list                   # the captions of test_rows (a caption is the bootstrap's unit: repeated captions are drawn together)
+    dev_rows: np.ndarray          # held out, the roster is selected on these
+    test_rows: np.ndarray         # held out, the verdict is read on these
+    dev_texts: list               # the captions of dev_rows and test_rows (a caption is the bootstrap's unit: repeats are drawn together)
+    test_texts: list
+    dropped: int                  # held-out rows whose caption is also a training row's (the target is a function of the text: not held out)
+    def __post_init__(self):
+        if set(self.dev_texts) & set(self.test_texts): raise GuardError("a caption is on both the dev and the test side of the relation's held-out rows")
+        if not len(self.test_rows) or not len(self.dev_rows): raise GuardError(f"the relation has no held-out captions left ({self.dropped} held-out rows repeat a training caption)")
+    def rows(self, split: str) -> tuple:
+        "(rows, captions) of 'dev' or 'test'."
+        if split not in ("dev", "test"): raise ValueError(f"the relation is read on 'dev' (selection) or 'test' (the verdict), not {split!r}")
+        return (self.dev_rows, self.dev_texts) if split == "dev" else (self.test_rows, self.test_texts)
     def __repr__(self):
         return (f"RelationData({self.targets.manifest['config'].get('roster')} targets {self.targets.fingerprint[:12]}, {len(self.train_rows)} training rows, "
-                f"probe fit on {len(self.probe_rows)}, read on {len(self.test_rows)} held out)")
+                f"probe fit on {len(self.probe_rows)}; held out: {len(self.dev_rows)} dev and {len(self.test_rows)} test rows of captions never trained on "
+                f"({self.dropped} held-out rows dropped: their caption is a training row's))")
+
+def held_out_captions(train_texts: Sequence[str], held_texts: Sequence[str], seed: int) -> tuple:
+    "(dev, test, dropped): indices into held_texts whose caption no training row has, split by caption (whole captions to one side, seeded), and how many were dropped."
+    seen = set(train_texts)
+    fresh = [i for i, t in enumerate(held_texts) if t not in seen]
+    caps = sorted({held_texts[i] for i in fresh})
+    dev_caps = set(np.random.default_rng([seed, 7]).permutation(len(caps))[:len(caps) // 2].tolist())
+    dev_caps = {caps[k] for k in dev_caps}
+    return [i for i in fresh if held_texts[i] in dev_caps], [i for i in fresh if held_texts[i] not in dev_caps], len(held_texts) - len(fresh)
 
 def relation_data(cfg: ArmStudyConfig, # the study (its relation_size: a teachers.RECALL_ROWS size)
                   seed: int, work, # the study's seed, and a folder for the targets' roster reading
                   device=None, progress: bool = False) -> RelationData:
-    "The recall substrate at the study's relation size: its targets (built once, shared with 08 and 10), its token rows, and the rows (05's run_rows split; the probe's sample seeded)."
+    "The recall substrate at the study's relation size: its targets (built once, shared with 08 and 10), its token rows, and its rows (05's run_rows split; held-out rows whose caption a training row has are dropped; dev and test split by caption; the probe's sample seeded)."
     tc = TrainConfig.preset(cfg.relation_size, **substrate_overrides("recall", cfg.relation_size))
     tg = resolve_targets("auto", tc, Path(work), device=device, progress=progress)
     source = caption_source(tg)
     corpus = token_store(source, load_tokenizer(), tc.max_tokens, progress=False)
     assert_same_rows(corpus, tg)
     rows = run_rows(tc, len(corpus), seed, lengths=corpus.lengths)
+    held_texts = texts_of(source, rows.eval)
+    dev, test, dropped = held_out_captions(texts_of(source, rows.train), held_texts, seed)
     probe = np.sort(np.random.default_rng([seed, 6]).choice(rows.train, min(RELATION_PROBE_ROWS, len(rows.train)), replace=False))
-    return RelationData(tg, corpus, rows.train, probe, rows.eval, texts_of(source, rows.eval))
+    return RelationData(tg, corpus, rows.train, probe, rows.eval[dev], rows.eval[test], [held_texts[i] for i in dev], [held_texts[i] for i in test], dropped)
+
+class PermutedTargets:
+    "A relation's targets read through a fixed permutation of the training rows: each training row gets another's target (a relation that is none; held-out rows keep theirs)."
+    def __init__(self, targets, # targets[row ids] -> [n, K] (targets.TargetRows)
+                 train_rows: Sequence[int], seed: int = 0):
+        self.targets, self.dim = targets, targets.dim
+        rows = np.asarray(train_rows, dtype=np.int64)
+        self.perm = np.arange(len(targets), dtype=np.int64)
+        self.perm[rows] = rows[np.random.default_rng([seed, 8]).permutation(len(rows))]
+    def __len__(self): return len(self.targets)
+    def __getitem__(self, rows): return self.targets[self.perm[np.asarray(rows, dtype=np.int64)]]
 
 class RelationHead(nn.Module):
     "A model with an arm, and a training-only map from its sentence vectors to a relation's targets: the arm learns the relation through the map; the probe that reads it is refit per model, so the map is never read."
@@ -286,14 +321,16 @@ class RelationHead(nn.Module):
 def train_relation_arm(backbone: CaptionEncoder, # frozen
                        arm: Arm, # the arm to train (its adapters and key)
                        data: RelationData, cfg: TrainConfig, run_dir, # cfg: the study's arm recipe (ArmStudyConfig.train_config)
-                       tau: float = 0.10, seed: int = 0, device=None, progress: bool = False):
+                       tau: float = 0.10, seed: int = 0, device=None, progress: bool = False,
+                       targets=None): # what the arm learns by row id; None: the relation's own (PermutedTargets: a relation that is none)
     "Train one arm solo on a frozen backbone toward the relation's targets (05's ConsensusLoss through RelationHead's map), on the workbook's one loop; returns the TrainResult."
     set_seed(seed)
+    targets = data.targets.targets if targets is None else targets
     model = AmoeModel(backbone, ArmLibrary([arm], tau=tau, backbone_fingerprint=backbone_fingerprint(backbone)))
-    head = RelationHead(model, data.targets.targets.dim, seed=seed).to(next(arm.parameters()).device)
-    corpus = {"targets_fingerprint": data.targets.fingerprint, "backbone": model.library.backbone_fingerprint, "tau": tau,
+    head = RelationHead(model, targets.dim, seed=seed).to(next(arm.parameters()).device)
+    corpus = {"targets_fingerprint": data.targets.fingerprint, "targets_read": type(targets).__name__, "backbone": model.library.backbone_fingerprint, "tau": tau,
               "train_rows": int(len(data.train_rows)), "train_rows_sha256": sha256_bytes(np.asarray(data.train_rows, np.int64).tobytes())}
-    return train(head, BatchPlan(data.corpus, data.train_rows, cfg.batch_size, seed=seed), ConsensusLoss(data.targets.targets),
+    return train(head, BatchPlan(data.corpus, data.train_rows, cfg.batch_size, seed=seed), ConsensusLoss(targets),
                  cfg, RunDir(run_dir), corpus, resume=False, device=device, progress=progress)
 
 def probe_cosines(fit_x, fit_y, # [N, D] sentence vectors and [N, K] targets the probe is fit on
@@ -305,20 +342,34 @@ def probe_cosines(fit_x, fit_y, # [N, D] sentence vectors and [N, K] targets the
 
 @torch.no_grad()
 def relation_read(models: dict, # name -> a model whose output has pooler_output (the bare backbone, an AmoeModel with arms)
-                  data: RelationData, lam: float = RELATION_LAMBDA, batch_size: int = 128) -> dict:
-    "Each model's held-out target cosine under a ridge probe refit on its own sentence vectors: name -> per-row cosines [M]."
-    fit_ids, test_ids = [data.corpus[int(r)] for r in data.probe_rows], [data.corpus[int(r)] for r in data.test_rows]
-    fit_y, test_y = data.targets.targets[data.probe_rows], data.targets.targets[data.test_rows]
-    return {n: probe_cosines(pooled_outputs(m, fit_ids, batch_size), fit_y, pooled_outputs(m, test_ids, batch_size), test_y, lam)
+                  data: RelationData, split: str = "test", # "dev" (selection) or "test" (the verdict)
+                  lam: float = RELATION_LAMBDA, batch_size: int = 128) -> dict:
+    "Each model's held-out target cosine under a ridge probe refit on its own sentence vectors: name -> per-row cosines [M] of the split."
+    rows, _ = data.rows(split)
+    fit_ids, read_ids = [data.corpus[int(r)] for r in data.probe_rows], [data.corpus[int(r)] for r in rows]
+    fit_y, read_y = data.targets.targets[data.probe_rows], data.targets.targets[rows]
+    return {n: probe_cosines(pooled_outputs(m, fit_ids, batch_size), fit_y, pooled_outputs(m, read_ids, batch_size), read_y, lam)
             for n, m in models.items()}
 
-def relation_control(read: dict, # relation_read's output: it holds "recall arm" and "random arm"
-                     texts: Sequence[str], # the held-out rows' captions (the bootstrap's units)
+def relation_control(read: dict, # relation_read's test output: it holds "recall arm" and each of RELATION_RIVALS
+                     texts: Sequence[str], # the test rows' captions (the bootstrap's units)
+                     roster: Sequence[str], # the roster greedy_roster selected on the relation's dev rows (against its random-arm bar)
                      band: float = RELATION_BAND) -> dict:
-    "The positive control: the recall arm against the random arm on the same held-out rows (stats.paired_verdict, whole captions drawn); `separates` only when its interval lies above the band."
-    missing = [n for n in ("recall arm", "random arm") if n not in read]
-    if missing: raise KeyError(f"the relation control reads the recall arm against the random arm; the read lacks {missing}")
-    v = paired_verdict(read["recall arm"], read["random arm"], band, groups=list(texts), names=("recall arm", "random arm"))
-    lo, hi = v["advantage_ci95"]
-    return {**v, "separates": v["verdict"] == "recall arm better",
-            "line": f"recall arm {v['a']:.4f} vs random arm {v['b']:.4f}: {v['advantage']:+.4f} (95% {lo:+.4f} to {hi:+.4f}, {v['units']} captions; band {band}): {v['verdict']}"}
+    "The positive control: the roster instrument on the relation's dev rows holds the recall arm, and on the test rows the recall arm beats every rival (stats.paired_verdict, whole captions drawn) beyond the band; `separates` only when all hold."
+    missing = [n for n in ("recall arm", *RELATION_RIVALS) if n not in read]
+    if missing: raise KeyError(f"the relation control reads the recall arm against {list(RELATION_RIVALS)}; the read lacks {missing}")
+    vs = {r: paired_verdict(read["recall arm"], read[r], band, groups=list(texts), names=("recall arm", r)) for r in RELATION_RIVALS}
+    beats = {r: v["verdict"] == "recall arm better" for r, v in vs.items()}
+    selected = "recall" in roster
+    line = "; ".join(f"recall arm {v['a']:.4f} vs {r} {v['b']:.4f}: {v['advantage']:+.4f} (95% {v['advantage_ci95'][0]:+.4f} to {v['advantage_ci95'][1]:+.4f}): {v['verdict']}"
+                     for r, v in vs.items())
+    return {"versus": vs, "beats": beats, "selected": selected, "roster": list(roster), "band": band, "units": next(iter(vs.values()))["units"],
+            "separates": selected and all(beats.values()),
+            "line": line + f"; roster on the dev rows {list(roster) or 'empty'} ({len(set(texts))} test captions; band {band})"}
+
+def gated_verdict(claim: dict, # a verdict (report.verdict) of the claim the control licenses
+                  control: dict, # relation_control's output
+                  cannot) -> dict: # report.verdict, called as cannot(claim, why) when the control does not separate
+    "The claim as read where the positive control separates; else 'cannot be measured here', naming the control and keeping the claim's own evidence."
+    if control["separates"]: return claim
+    return cannot(claim["claim"], f"the positive control does not separate ({control['line']}): {claim['why']}")

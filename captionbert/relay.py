@@ -219,6 +219,7 @@ class RelayModel(nn.Module):
         self.base_weights = weights_fingerprint(base)                       # every base weight, hashed: what "frozen" means
         D = base.config.hidden_size
         self.relays = nn.ModuleDict({str(s): Relay(D, width, kind, tau, gate_init, seed=seed + s, std=anchor_std) for s in sites})
+        self.relays.to(next(base.parameters()).device)                       # on the base's device (fp32: a relay computes in its own precision)
         base._relay_hooks = [layers[s].register_forward_hook(self._hook(s)) for s in sites]
         self.probe = probe if probe is not None else torch.arange(1, min(9, base.config.vocab_size)).unsqueeze(0)
         with self.relays_off(): self.frozen_logits = self._probe_logits()      # the frozen model's answer, kept on CPU
@@ -419,7 +420,7 @@ def planted_teacher(base, # the frozen student (copied, never changed)
                     kind: str, # the relay kind of the plant (each kind is planted with its own function class)
                     width: int, tau: float, store: TokenStore, rows: Sequence[int], # the held-out rows its size is calibrated on
                     seed: int = 0, share: float = PLANT_SHARE, eval_batch: int = 64) -> tuple:
-    "(teacher, spec): a copy of `base` carrying a fixed random relay of `kind` at `site` (gate open, up-projection drawn), scaled so that its held-out KL from `base` on `rows` is `share` of the most it reaches (2^8 x its drawn scale): a useful signal at one site only."
+    "(teacher, spec): a copy of `base` carrying a fixed random relay of `kind` at `site` (gate open, up-projection drawn), scaled so that its held-out KL from `base` on `rows` is `share` of its KL at 2^8 x its drawn scale (`kl_top`, the bisection's upper end): a useful signal at one site only."
     if not 0 < share < 1: raise ValueError(f"the plant's share of its reachable KL is between 0 and 1, got {share}")
     plant = RelayModel(copy.deepcopy(base), [site], kind, width, tau, gate_init=0.0, seed=seed + 7919)
     r, g = plant.relays[str(site)], torch.Generator().manual_seed(seed + 7919)
@@ -441,14 +442,14 @@ def plant_reading(sites: Sequence[int], # every relay site of the study
                   born: dict, final: dict, # site -> gate opening at birth, after distillation
                   contribution: dict, # site -> ‖Δh‖/‖h‖ on held-out rows (reported beside, not read)
                   margin: float = PLANT_MARGIN) -> dict:
-    "Whether the relays' gates found the planted site: its opening ratio (final / born) at least `margin` times every other site's."
+    "Whether the relays' gates found the planted site: its gate opened (ratio final / born > 1) and its ratio is at least `margin` times every other site's."
     if planted not in sites or len(sites) < 2: raise ValueError(f"a planted site is one of at least two sites; got {planted} among {list(sites)}")
     ratio = {s: final[s] / born[s] for s in sites}
-    found = all(ratio[planted] >= margin * ratio[s] for s in sites if s != planted)
+    found = ratio[planted] > 1 and all(ratio[planted] >= margin * ratio[s] for s in sites if s != planted)
     return {"planted": planted, "ratio": ratio, "contribution": contribution, "found": found,
             "line": f"planted at site {planted}: gate ×" + ", ".join(f" {s}: {ratio[s]:.2f}" for s in sites) + "; ‖Δh‖/‖h‖ "
                     + ", ".join(f"{s}: {contribution[s]:.4f}" for s in sites)
-                    + f" -> {'found' if found else 'not found'} (the bar: the planted site's ratio >= {margin:g}x every other's)"}
+                    + f" -> {'found' if found else 'not found'} (the bar: the planted site's gate opens, by >= {margin:g}x every other's ratio)"}
 
 # %% ../nbs/12_relay.ipynb #759b22d9
 RELAY_BANDS = {"perplexity": 0.01, "kl_to_teacher": 0.01, "cloze": 0.02}   # tie bands, declared first: relative (1%) for perplexity
