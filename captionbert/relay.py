@@ -428,12 +428,14 @@ def planted_teacher(base, # the frozen student (copied, never changed)
         r.gate.fill_(8.0); r.up.weight.copy_(torch.randn(r.up.weight.shape, generator=g).to(r.up.weight))
         w0, lo, hi = r.up.weight.clone(), -16.0, 8.0                          # log2 of the scale, bisected until the KL is `share` of its top
         def kl_at(e): r.up.weight.copy_(w0 * 2.0 ** e); return held_out_kl(plant.base, base, store, rows, eval_batch)
-        top = kl_at(hi)
+        top = got = kl_at(hi)                                                 # got: the KL at hi, kept as hi moves
         if not top > 0: raise GuardError(f"the plant at site {site} does not move the student at all: it cannot be calibrated")
         for _ in range(20):
             mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if kl_at(mid) < share * top else (lo, mid)
-        got = kl_at(hi)
+            k = kl_at(mid)
+            if k < share * top: lo = mid
+            else: hi, got = mid, k
+        kl_at(hi)                                                             # the plant left at hi's scale (the last read may have been lo's)
     spec = {"site": site, "kind": kind, "kl": got, "kl_top": top, "share": share, "seed": seed + 7919, "relay": weights_fingerprint(plant.relays)[:16]}
     return plant.base, spec        # the copy carries the plant's hook (the copy keeps the plant alive); its config is the student's
 
