@@ -461,9 +461,11 @@ def train(model: torch.nn.Module, # the model (its parameters that require grad 
           resume=True, # continue from the newest checkpoint of `run`; or the path of the one to resume from (resume_checkpoint)
           device=None, progress: bool = True,
           config: Optional[dict] = None, # the run's whole resolved config (seed, model, ...); `cfg` is always its "train" entry
-          allow_changes=() # config keys a resume may change ("max_steps", ...), or True for any; others raise GuardError
+          allow_changes=(), # config keys a resume may change ("max_steps", ...), or True for any; others raise GuardError
+          on_complete: str = "refuse" # a resume that finds the run complete: "refuse" (NothingToTrain) or "read" (its weights, no step trained)
          ) -> TrainResult:
     "The workbook's one training loop: Adam, warmup+cosine, clipping, precision, logs, gauges, checkpoints, exact resume, DDP."
+    if on_complete not in ("refuse", "read"): raise ValueError(f"on_complete={on_complete!r}: one of 'refuse', 'read'")
     rank, world = _world()
     device = pick_device(device) if not isinstance(device, torch.device) else device
     precision = pick_precision(device, cfg.precision)
@@ -472,10 +474,10 @@ def train(model: torch.nn.Module, # the model (its parameters that require grad 
     run_config = to_jsonable({**(config or {}), "train": cfg})
     with run.hold() if rank == 0 else contextlib.nullcontext(), stage("train"):   # one process a run directory: a second is refused, naming the holder
         return _train_held(model, batches, loss_fn, cfg, run, corpus, evaluate_fn, stop_at, resume, device, precision, progress,
-                           run_config, allow_changes, rank, world)
+                           run_config, allow_changes, rank, world, on_complete)
 
 def _train_held(model, batches, loss_fn, cfg, run, corpus, evaluate_fn, stop_at, resume, device, precision, progress, run_config,
-                allow_changes, rank, world) -> TrainResult:
+                allow_changes, rank, world, on_complete="refuse") -> TrainResult:
     "`train`'s body, run while this process holds the run directory."
     model.to(device)
     if hasattr(unwrap_model(model), "unpad_attention"): unwrap_model(model).unpad_attention = cfg.unpad_attention   # a CaptionEncoder's speed path
@@ -506,9 +508,13 @@ def _train_held(model, batches, loss_fn, cfg, run, corpus, evaluate_fn, stop_at,
                 save_weights(model, final, run, "weights", {"step": ck["step"]})
                 print(f"{run.path}: the run was complete at {ck_path.name} but its final weights were missing or damaged: written from it")
                 return TrainResult(run, ck["step"], ck["step"], True, 0.0, ck.get("best"))
+            if ck["completed"] and on_complete == "read":              # asked for: the finished run's weights, its metrics as they were logged
+                unwrap_model(model).load_state_dict(ck["model"])
+                if progress and rank == 0: print(f"{run.path}: complete at step {ck['step']} ({ck_path.name}): read, not trained again")
+                return TrainResult(run, ck["step"], ck["step"], True, 0.0, ck.get("best"))
             raise NothingToTrain(f"nothing left to train: {ck_path} is at step {ck['step']} of max_steps {cfg.max_steps}. An empty training "
                                  "range would reprint the old run's metrics as new (LAWS.md law 16); raise max_steps (with "
-                                 "allow_changes={'max_steps'}) or start a new run directory.", run, ck["step"], bool(ck["completed"]))
+                                 "allow_changes={'max_steps'}), start a new run directory, or read the finished run as it is (on_complete='read').", run, ck["step"], bool(ck["completed"]))
         if rank == 0: set_aside_newer(run, ck_path)      # every check passed: only now are the newer snapshots an explicit resume skips set aside
         unwrap_model(model).load_state_dict(ck["model"]); opt.load_state_dict(ck["optimizer"]); sched.load_state_dict(ck["scheduler"])
         sched.base_lrs = [g["lr"] for g in param_groups(model, cfg)]   # this call's lr (an allowed change takes effect), not the saved one

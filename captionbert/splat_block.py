@@ -32,8 +32,8 @@ from .teachers import substrate_overrides
 __all__ = ['SPLAT_CURES', 'SPLAT_CELLS', 'SPLAT_TAU', 'SCREEN_ARMS', 'ATTENTION_BAND', 'COLLAPSE_BAR', 'CURE_MULTIPLE',
            'ALL_THREE_BAR', 'STEPS_MULTIPLE', 'SCREEN_CLAIMS', 'PILOT_SEEDS', 'splat_options', 'SplatAttention',
            'peak_live_bytes', 'measure', 'scaling_benchmark', 'slope', 'ScreenConfig', 'basin_gauge', 'basin_extra',
-           'screen_dir', 'train_screen', 'screen_path', 'steps_to_reach', 'attention_verdict', 'screen_table',
-           'recovery', 'screen_claims', 'screen_results']
+           'screen_dir', 'train_screen', 'train_seconds', 'screen_path', 'steps_to_reach', 'attention_verdict',
+           'screen_table', 'recovery', 'screen_claims', 'screen_results']
 
 # %% ../nbs/10_block.ipynb #a049343b
 SPLAT_CURES = ("rope", "frame", "codebooks")   # the routing's own parameters; "splat" alone has all three, "splat:frozen" none
@@ -263,15 +263,24 @@ def screen_dir(root, arm: str, seed: int) -> Path:
 
 def train_screen(cfg: ScreenConfig, arm: str, seed: int, run_dir, # where the run lives (resumable)
                  targets: str = "auto", # as for run_consensus_training
-                 device=None, progress: bool = False):
+                 device=None, progress: bool = False,
+                 on_complete: str = "refuse" # the arm's run already complete: "refuse" (law 16) or "read" (its weights and metrics, nothing trained)
+                ):
     "Train one arm of the screens on the one loop; returns the ConsensusRun (its config checked to be the arm's)."
     if arm not in SCREEN_ARMS: raise ValueError(f"unknown screen arm {arm!r}: the arms are {list(SCREEN_ARMS)}")
     enc = cfg.encoder_config(arm)
     job = run_consensus_training(seed, cfg.train_preset, run_dir, targets, device=device, progress=progress,
-                                 train_config=cfg.train_config(arm), encoder_config=enc, evaluate_extra=basin_extra(cfg.basin_rows))
+                                 train_config=cfg.train_config(arm), encoder_config=enc, evaluate_extra=basin_extra(cfg.basin_rows),
+                                 on_complete=on_complete)
     if job.model.config.attention != enc.attention:
         raise RuntimeError(f"the loop trained attention {job.model.config.attention!r} instead of arm {arm!r}'s {enc.attention!r}")
     return job
+
+def train_seconds(rows: Sequence[dict]) -> float:
+    "A run's training wall time from its metrics.jsonl rows: the clock at its last row less the clock before its first step."
+    timed = [r for r in rows if "time" in r and "step_seconds" in r]
+    if not timed: raise ValueError("no timed step rows: the run's metrics hold no training step")
+    return max(r["time"] for r in rows if "time" in r) - (timed[0]["time"] - timed[0]["step_seconds"])
 
 def screen_path(rows: Sequence[dict]) -> list[dict]:
     "The training gauge (target cosine) and the basin gauge at every evaluation of a run's metrics.jsonl rows."
@@ -398,7 +407,10 @@ def screen_results(paths: dict, # arm -> screen_path(...) of one seed, every arm
                    cfg: ScreenConfig, # the screens' size (its name is the record's preset)
                    seed: int,
                    data: Optional[dict] = None, # what was read: the targets' and captions' fingerprints
-                   wall_seconds: Optional[float] = None) -> dict:
+                   wall_seconds: Optional[float] = None,
+                   arms_read: Optional[dict] = None, # arm -> the code_version that trained it, for each arm read from its completed run, not trained by this Run
+                   arm_seconds: Optional[dict] = None # arm -> its training's wall time, from its metrics' clock (train_seconds)
+                  ) -> dict:
     "The screens' results record (report.results_record of 10_splat at the screens' preset): the positive control, each arm's final gauge and recovery, the card's claims and the table."
     gate = attention_verdict(paths, seed=seed)
     f = [finding("control.standard", gate["standard"], "positive control: standard block, final target cosine", ".4f"),
@@ -408,6 +420,9 @@ def screen_results(paths: dict, # arm -> screen_path(...) of one seed, every arm
         if arm in ("standard", "attention-free"): continue
         f.append(finding(f"{arm.replace(' ', '_')}.target_cosine", paths[arm][-1]["target_cosine"], f"{arm} ({SCREEN_ARMS[arm]}): final target cosine", ".4f"))
         if gate["matters"]: f.append(finding(f"{arm.replace(' ', '_')}.recovery", recovery(paths, arm), f"{arm}: recovery (of the standard block's margin)", ".2f"))
+    if arm_seconds:                                          # the study's training time by the arms' own clocks (a Run that read some arms took less)
+        f.append(finding("screens.train_seconds", sum(arm_seconds.values()), f"the {len(arm_seconds)} arms' training, by their own clocks (s)", ".0f",
+                         note=f"read from completed runs, not trained by this Run: {', '.join(f'{a} (code {c})' for a, c in arms_read.items())}" if arms_read else None))
     v = [verdict("positive control: attention separates from the attention-free control on this substrate", None, gate["line"],
                  reading="separates" if gate["matters"] else "does not separate")]
     claims = screen_claims(paths)
@@ -420,4 +435,5 @@ def screen_results(paths: dict, # arm -> screen_path(...) of one seed, every arm
                           tables=[table(f"the paired screens at {cfg.name}, seed {seed} ({cfg.substrate} substrate)",
                                         ["arm", "attention", "step", "target cosine", "recovery", "peak share", "anchor cosine"], rows)],
                           command=f"papermill nbs/10_splat.ipynb out.ipynb -p preset {cfg.name} -p seed {seed}",
-                          extra={"paths": paths, "substrate": cfg.substrate, "recipe": dict(cfg.recipe)})
+                          extra={"paths": paths, "substrate": cfg.substrate, "recipe": dict(cfg.recipe), "arms_read": arms_read or {},
+                                 "arm_seconds": arm_seconds or {}})

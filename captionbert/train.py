@@ -66,7 +66,8 @@ def run_consensus_training(seed: int = 0, # the run's seed
                            evaluate_extra: Optional[Callable] = None, # (model, gauges, step) -> dict, merged into the gauge record at every evaluation
                            teachers=None, # a roster of one's own instead of `roster`: teacher specs (teachers.roster_text), the first the reference
                            captions: Optional[str] = None, # the captions the targets are built from instead of the preset's (a spec: sources.open_captions)
-                           student=None # the student's size instead of the preset's: a size name or explicit dims (student_config)
+                           student=None, # the student's size instead of the preset's: a size name or explicit dims (student_config)
+                           on_complete: str = "refuse" # a run directory already complete: "refuse" (law 16) or "read" (its weights, nothing trained)
                           ) -> ConsensusRun:
     "Targets -> tokenized captions -> student -> the one training loop (-> the harness); returns the run and the trained model. A roster or captions of one's own are explored first (explore_first)."
     preset, cfg, encoder_config = resolve_recipe(preset, roster, teachers, max_steps, train_config, captions, student, encoder_config)
@@ -98,7 +99,7 @@ def run_consensus_training(seed: int = 0, # the run's seed
         gauges = ConsensusGauges(corpus, tg.targets, eval_rows, texts_of(source, eval_rows))
         result = train(model, plan, ConsensusLoss(tg.targets, cfg.temperature, cfg.mse_weight), cfg, run, corpus_id,
                        gauges if evaluate_extra is None else with_extra(gauges, evaluate_extra), resume=resume, device=dev,
-                       progress=progress, config=config, allow_changes=allow_changes)
+                       progress=progress, config=config, allow_changes=allow_changes, on_complete=on_complete)
         job = ConsensusRun(preset, seed, cfg, run, model, tg, corpus, train_rows, eval_rows, result, batches=plan)
         if tasks and result.completed and rank == 0: job.student = score_student(job, tasks, sts_dir, device=dev)
         return job
