@@ -33,8 +33,8 @@ from .adapters import AmoeModel, Arm, ArmLibrary, HUB_PAIRS, backbone_fingerprin
 __all__ = ['PAIR_SOURCES', 'BACKBONE_SEED', 'RELATION_BAND', 'RELATION_LAMBDA', 'RELATION_PROBE_ROWS', 'RELATION_RIVALS',
            'amplitude_shares', 'greedy_roster', 'ArmStudyConfig', 'study_pairs', 'backbone_runs',
            'backbone_expectation', 'check_backbone_run', 'resolve_backbones', 'RelationData', 'held_out_captions',
-           'relation_data', 'PermutedTargets', 'RelationHead', 'train_relation_arm', 'probe_cosines', 'relation_read',
-           'relation_control', 'gated_verdict']
+           'relation_residual', 'ResidualTargets', 'relation_data', 'PermutedTargets', 'RelationHead',
+           'train_relation_arm', 'probe_cosines', 'relation_read', 'relation_control', 'gated_verdict']
 
 # %% ../nbs/06_amoe.ipynb #b67718f1
 @torch.no_grad()
@@ -266,7 +266,8 @@ class RelationData:
         if split not in ("dev", "test"): raise ValueError(f"the relation is read on 'dev' (selection) or 'test' (the verdict), not {split!r}")
         return (self.dev_rows, self.dev_texts) if split == "dev" else (self.test_rows, self.test_texts)
     def __repr__(self):
-        return (f"RelationData({self.targets.manifest['config'].get('roster')} targets {self.targets.fingerprint[:12]}, {len(self.train_rows)} training rows, "
+        of = "the residual after the bare trunk's probe of " if "residual" in self.targets.manifest else ""
+        return (f"RelationData({of}{self.targets.manifest['config'].get('roster')} targets {self.targets.fingerprint[:12]}, {len(self.train_rows)} training rows, "
                 f"probe fit on {len(self.probe_rows)}; held out: {len(self.dev_rows)} dev and {len(self.test_rows)} test rows of captions never trained on "
                 f"({self.dropped} held-out rows dropped: their caption is a training row's))")
 
@@ -279,9 +280,33 @@ def held_out_captions(train_texts: Sequence[str], held_texts: Sequence[str], see
     dev_caps = {caps[k] for k in dev_caps}
     return [i for i in fresh if held_texts[i] in dev_caps], [i for i in fresh if held_texts[i] not in dev_caps], len(held_texts) - len(fresh)
 
+def relation_residual(fit_x, fit_y, # [N, D] a representation's vectors and [N, K] a relation's targets, of the rows the probe is fit on
+                      x, y # [M, D] and [M, K]: the rows whose residual is returned
+                     ) -> torch.Tensor:
+    "What a representation lacks of a relation: each row's target less a ridge probe's prediction from the row's vectors (the probe fit on fit_x -> fit_y, penalty RELATION_LAMBDA), at unit length [M, K] (fp32)."
+    r = torch.as_tensor(y).double() - ridge_predictor(fit_x, fit_y, RELATION_LAMBDA)(x)
+    return F.normalize(r, dim=-1).float()
+
+class ResidualTargets:
+    "A relation's targets less what a trunk's linear probe reads of them (relation_residual over every row): targets[row ids] -> [n, K], with a fingerprint of the targets and the trunk."
+    def __init__(self, of, # recipe.resolve_targets: the ConsensusTargets the residual is taken of
+                 table: torch.Tensor, # [N, K] relation_residual of every row
+                 trunk: str): # the trunk's fingerprint (adapters.backbone_fingerprint)
+        if table.shape != (len(of.targets), of.targets.dim):
+            raise ValueError(f"the residual table is {tuple(table.shape)}; the targets are {len(of.targets)} rows of {of.targets.dim}")
+        self.table, self.dim, self.of = table, table.shape[1], of
+        self.fingerprint = sha256_bytes(f"residual|{of.fingerprint}|{trunk}|{RELATION_LAMBDA}".encode())
+        self.manifest = {**of.manifest, "residual": {"of": of.fingerprint, "trunk": trunk, "lambda": RELATION_LAMBDA}}
+    @property
+    def targets(self): return self               # read as ConsensusTargets are: .targets[row ids]
+    def __len__(self): return len(self.table)
+    def __getitem__(self, rows): return self.table[torch.as_tensor(np.asarray(rows.cpu() if isinstance(rows, torch.Tensor) else rows, dtype=np.int64))]
+
 def relation_data(cfg: ArmStudyConfig, # the study (its relation_size: a teachers.RECALL_ROWS size)
                   seed: int, work, # the study's seed, and a folder for the targets' roster reading
-                  device=None, progress: bool = False) -> RelationData:
+                  device=None, progress: bool = False,
+                  trunk: Optional[CaptionEncoder] = None # the bare trunk: the relation is the targets' residual after its probe (ResidualTargets); None: the targets as they are
+                 ) -> RelationData:
     "The recall substrate at the study's relation size: its targets (built once, shared with 08 and 10), its token rows, and its rows (05's run_rows split; held-out rows whose caption a training row has are dropped; dev and test split by caption; the probe's sample seeded)."
     tc = TrainConfig.preset(cfg.relation_size, **substrate_overrides("recall", cfg.relation_size))
     tg = resolve_targets("auto", tc, Path(work), device=device, progress=progress)
@@ -292,6 +317,10 @@ def relation_data(cfg: ArmStudyConfig, # the study (its relation_size: a teacher
     held_texts = texts_of(source, rows.eval)
     dev, test, dropped = held_out_captions(texts_of(source, rows.train), held_texts, seed)
     probe = np.sort(np.random.default_rng([seed, 6]).choice(rows.train, min(RELATION_PROBE_ROWS, len(rows.train)), replace=False))
+    if trunk is not None:                       # what the trunk lacks: its probe, fit on every training row, read out of every row's target
+        x = pooled_outputs(trunk, [corpus[i] for i in range(len(corpus))])
+        y = tg.targets[np.arange(len(corpus))]
+        tg = ResidualTargets(tg, relation_residual(x[rows.train], y[rows.train], x, y), backbone_fingerprint(trunk))
     return RelationData(tg, corpus, rows.train, probe, rows.eval[dev], rows.eval[test], [held_texts[i] for i in dev], [held_texts[i] for i in test], dropped)
 
 class PermutedTargets:
