@@ -295,12 +295,16 @@ class ResidualTargets:
         if table.shape != (len(of.targets), of.targets.dim):
             raise ValueError(f"the residual table is {tuple(table.shape)}; the targets are {len(of.targets)} rows of {of.targets.dim}")
         self.table, self.dim, self.of = table, table.shape[1], of
-        self.fingerprint = sha256_bytes(f"residual|{of.fingerprint}|{trunk}|{RELATION_LAMBDA}".encode())
+        self.fingerprint = sha256_bytes(f"residual|{of.fingerprint}|{trunk}|{RELATION_LAMBDA}|".encode() + table.numpy().tobytes())   # the table itself: its fit rows, device and precision too
         self.manifest = {**of.manifest, "residual": {"of": of.fingerprint, "trunk": trunk, "lambda": RELATION_LAMBDA}}
     @property
     def targets(self): return self               # read as ConsensusTargets are: .targets[row ids]
     def __len__(self): return len(self.table)
-    def __getitem__(self, rows): return self.table[torch.as_tensor(np.asarray(rows.cpu() if isinstance(rows, torch.Tensor) else rows, dtype=np.int64))]
+    def __getitem__(self, rows) -> torch.Tensor:
+        "The residuals of these row ids, in that order: [n, K] (as TargetRows: ids outside the table are refused, never wrapped)."
+        ids = np.asarray(rows.cpu() if isinstance(rows, torch.Tensor) else rows, dtype=np.int64).reshape(-1)
+        if len(ids) and (ids.min() < 0 or ids.max() >= len(self.table)): raise IndexError(f"row ids outside the residual table's {len(self.table)} rows: {ids.min()}..{ids.max()}")
+        return self.table[torch.as_tensor(ids)]
 
 def relation_data(cfg: ArmStudyConfig, # the study (its relation_size: a teachers.RECALL_ROWS size)
                   seed: int, work, # the study's seed, and a folder for the targets' roster reading
