@@ -509,8 +509,12 @@ def _train_held(model, batches, loss_fn, cfg, run, corpus, evaluate_fn, stop_at,
                 print(f"{run.path}: the run was complete at {ck_path.name} but its final weights were missing or damaged: written from it")
                 return TrainResult(run, ck["step"], ck["step"], True, 0.0, ck.get("best"))
             if ck["completed"] and on_complete == "read":              # asked for: the finished run's weights, its metrics as they were logged
+                recipe = sorted(k for k in changes if not (k.split(".")[0] in WHERE_KEYS or k in MEMORY_KEYS))
+                if recipe: raise GuardError(f"{run.path} is complete, but this call changes what it trained ({', '.join(recipe)}): a read returns the run as it "
+                                            "was trained, never as another recipe; drop those allow_changes, or train a new run directory")
                 unwrap_model(model).load_state_dict(ck["model"])
-                if progress and rank == 0: print(f"{run.path}: complete at step {ck['step']} ({ck_path.name}): read, not trained again")
+                if progress and rank == 0: print(f"{run.path}: complete at step {ck['step']} ({ck_path.name}): read, not trained again"
+                                                 + (f" (where it ran differs: {', '.join(sorted(changes))})" if changes else ""))
                 return TrainResult(run, ck["step"], ck["step"], True, 0.0, ck.get("best"))
             raise NothingToTrain(f"nothing left to train: {ck_path} is at step {ck['step']} of max_steps {cfg.max_steps}. An empty training "
                                  "range would reprint the old run's metrics as new (LAWS.md law 16); raise max_steps (with "

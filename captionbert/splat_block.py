@@ -7,7 +7,7 @@ paired screens on the one training loop."""
 # %% ../nbs/10_block.ipynb #e75e4193
 from __future__ import annotations
 
-import dataclasses, gc, math, time, weakref
+import dataclasses, gc, json, math, time, weakref
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -23,7 +23,7 @@ from .encoder import ATTENTION_KINDS, CaptionEncoder, EncoderConfig, attention_k
 from .positions import NoPositions
 from .data import collate, sorted_batches
 from .stats import band_verdict
-from .loop import TrainConfig
+from .loop import RESUME_LOG, TrainConfig
 from .train import run_consensus_training
 from .report import finding, results_record, table, verdict
 from .teachers import substrate_overrides
@@ -32,8 +32,8 @@ from .teachers import substrate_overrides
 __all__ = ['SPLAT_CURES', 'SPLAT_CELLS', 'SPLAT_TAU', 'SCREEN_ARMS', 'ATTENTION_BAND', 'COLLAPSE_BAR', 'CURE_MULTIPLE',
            'ALL_THREE_BAR', 'STEPS_MULTIPLE', 'SCREEN_CLAIMS', 'PILOT_SEEDS', 'splat_options', 'SplatAttention',
            'peak_live_bytes', 'measure', 'scaling_benchmark', 'slope', 'ScreenConfig', 'basin_gauge', 'basin_extra',
-           'screen_dir', 'train_screen', 'train_seconds', 'screen_path', 'steps_to_reach', 'attention_verdict',
-           'screen_table', 'recovery', 'screen_claims', 'screen_results']
+           'screen_dir', 'train_screen', 'train_seconds', 'resumed_from', 'screen_path', 'steps_to_reach',
+           'attention_verdict', 'screen_table', 'recovery', 'screen_claims', 'screen_results']
 
 # %% ../nbs/10_block.ipynb #a049343b
 SPLAT_CURES = ("rope", "frame", "codebooks")   # the routing's own parameters; "splat" alone has all three, "splat:frozen" none
@@ -276,11 +276,25 @@ def train_screen(cfg: ScreenConfig, arm: str, seed: int, run_dir, # where the ru
         raise RuntimeError(f"the loop trained attention {job.model.config.attention!r} instead of arm {arm!r}'s {enc.attention!r}")
     return job
 
-def train_seconds(rows: Sequence[dict]) -> float:
-    "A run's training wall time from its metrics.jsonl rows: the clock at its last row less the clock before its first step."
-    timed = [r for r in rows if "time" in r and "step_seconds" in r]
-    if not timed: raise ValueError("no timed step rows: the run's metrics hold no training step")
-    return max(r["time"] for r in rows if "time" in r) - (timed[0]["time"] - timed[0]["step_seconds"])
+def train_seconds(rows: Sequence[dict], # a run's metrics.jsonl rows
+                  resumed_from: Sequence[int] = () # the steps its resumes started from (resumed_from(run)): the time between processes is not training
+                 ) -> float:
+    "A run's training wall time from its metrics rows: per process (split where a resume began), the clock at its last row less the clock before its first step."
+    if not any("time" in r and "step_seconds" in r for r in rows): raise ValueError("no timed step rows: the run's metrics hold no training step")
+    starts, segs = {s + 1 for s in resumed_from}, [[]]
+    for r in rows:
+        if "time" not in r: continue
+        if "step_seconds" in r and r["step"] in starts and any("step_seconds" in x for x in segs[-1]): segs.append([])
+        segs[-1].append(r)
+    def span(seg):
+        first = next(x for x in seg if "step_seconds" in x)
+        return max(x["time"] for x in seg) - (first["time"] - first["step_seconds"])
+    return sum(span(s) for s in segs if any("step_seconds" in x for x in s))
+
+def resumed_from(run) -> list:
+    "The steps a run directory's resumes started from (its resumes.jsonl; none for a run trained in one process)."
+    log = Path(run.path if hasattr(run, "path") else run) / RESUME_LOG
+    return [json.loads(l)["from_step"] for l in log.read_text().splitlines() if l.strip()] if log.exists() else []
 
 def screen_path(rows: Sequence[dict]) -> list[dict]:
     "The training gauge (target cosine) and the basin gauge at every evaluation of a run's metrics.jsonl rows."
@@ -409,7 +423,8 @@ def screen_results(paths: dict, # arm -> screen_path(...) of one seed, every arm
                    data: Optional[dict] = None, # what was read: the targets' and captions' fingerprints
                    wall_seconds: Optional[float] = None,
                    arms_read: Optional[dict] = None, # arm -> the code_version that trained it, for each arm read from its completed run, not trained by this Run
-                   arm_seconds: Optional[dict] = None # arm -> its training's wall time, from its metrics' clock (train_seconds)
+                   arm_seconds: Optional[dict] = None, # arm -> its training's wall time, from its metrics' clock (train_seconds)
+                   arms_resumed: Optional[dict] = None # arm -> the step this Run resumed it from (an earlier process trained the steps before)
                   ) -> dict:
     "The screens' results record (report.results_record of 10_splat at the screens' preset): the positive control, each arm's final gauge and recovery, the card's claims and the table."
     gate = attention_verdict(paths, seed=seed)
@@ -434,6 +449,6 @@ def screen_results(paths: dict, # arm -> screen_path(...) of one seed, every arm
     return results_record("10_splat", cfg.name, seed, findings=f, verdicts=v, data=data, wall_seconds=wall_seconds,
                           tables=[table(f"the paired screens at {cfg.name}, seed {seed} ({cfg.substrate} substrate)",
                                         ["arm", "attention", "step", "target cosine", "recovery", "peak share", "anchor cosine"], rows)],
-                          command=f"papermill nbs/10_splat.ipynb out.ipynb -p preset {cfg.name} -p seed {seed}",
+                          command=f"papermill nbs/10_splat.ipynb out.ipynb -p preset {cfg.name} -p seed {seed}" + (" -p finished read" if arms_read else ""),
                           extra={"paths": paths, "substrate": cfg.substrate, "recipe": dict(cfg.recipe), "arms_read": arms_read or {},
-                                 "arm_seconds": arm_seconds or {}})
+                                 "arms_resumed": arms_resumed or {}, "arm_seconds": arm_seconds or {}})
