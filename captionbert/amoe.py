@@ -336,7 +336,10 @@ class PermutedTargets:
         self.perm = np.arange(len(targets), dtype=np.int64)
         self.perm[rows] = rows[np.random.default_rng([seed, 8]).permutation(len(rows))]
     def __len__(self): return len(self.targets)
-    def __getitem__(self, rows): return self.targets[self.perm[np.asarray(rows, dtype=np.int64)]]
+    def __getitem__(self, rows):
+        ids = np.asarray(rows.cpu() if isinstance(rows, torch.Tensor) else rows, dtype=np.int64).reshape(-1)
+        if len(ids) and (ids.min() < 0 or ids.max() >= len(self.perm)): raise IndexError(f"row ids outside the {len(self.perm)} rows: {ids.min()}..{ids.max()}")
+        return self.targets[self.perm[ids]]
 
 class RelationHead(nn.Module):
     "A model with an arm, and a training-only map from its sentence vectors to a relation's targets: the arm learns the relation through the map; the probe that reads it is refit per model, so the map is never read."

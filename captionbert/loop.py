@@ -501,6 +501,10 @@ def _train_held(model, batches, loss_fn, cfg, run, corpus, evaluate_fn, stop_at,
         old = ck.get("run_config") or {"train": ck["config"]}          # checkpoints before run_config carried the TrainConfig only
         changes = check_resume_config(old, run_config if "run_config" in ck else {"train": run_config["train"]}, allow_changes, str(ck_path))
         if ck["step"] >= cfg.max_steps:
+            recipe = sorted(k for k in changes if not (k.split(".")[0] in WHERE_KEYS or k in MEMORY_KEYS))
+            if on_complete == "read" and recipe:                       # before any repair below: a read never returns another recipe's run
+                raise GuardError(f"{run.path} is complete, but this call changes what it trained ({', '.join(recipe)}): a read returns the run as it "
+                                 "was trained, never as another recipe; drop those allow_changes, or train a new run directory")
             final = run.path / "checkpoints" / "final.safetensors"
             if ck["completed"] and rank == 0 and not _intact(run, str(final.relative_to(run.path))):
                 set_aside_newer(run, ck_path)
@@ -509,9 +513,6 @@ def _train_held(model, batches, loss_fn, cfg, run, corpus, evaluate_fn, stop_at,
                 print(f"{run.path}: the run was complete at {ck_path.name} but its final weights were missing or damaged: written from it")
                 return TrainResult(run, ck["step"], ck["step"], True, 0.0, ck.get("best"))
             if ck["completed"] and on_complete == "read":              # asked for: the finished run's weights, its metrics as they were logged
-                recipe = sorted(k for k in changes if not (k.split(".")[0] in WHERE_KEYS or k in MEMORY_KEYS))
-                if recipe: raise GuardError(f"{run.path} is complete, but this call changes what it trained ({', '.join(recipe)}): a read returns the run as it "
-                                            "was trained, never as another recipe; drop those allow_changes, or train a new run directory")
                 unwrap_model(model).load_state_dict(ck["model"])
                 if progress and rank == 0: print(f"{run.path}: complete at step {ck['step']} ({ck_path.name}): read, not trained again"
                                                  + (f" (where it ran differs: {', '.join(sorted(changes))})" if changes else ""))

@@ -279,12 +279,16 @@ def train_screen(cfg: ScreenConfig, arm: str, seed: int, run_dir, # where the ru
 def train_seconds(rows: Sequence[dict], # a run's metrics.jsonl rows
                   resumed_from: Sequence[int] = () # the steps its resumes started from (resumed_from(run)): the time between processes is not training
                  ) -> float:
-    "A run's training wall time from its metrics rows: per process (split where a resume began), the clock at its last row less the clock before its first step."
+    "A run's training wall time from its metrics rows: per process (split where a resume began), the clock at its last row less the clock before its first step. Steps a resume rewound, and a start set aside before any checkpoint, are not counted."
     if not any("time" in r and "step_seconds" in r for r in rows): raise ValueError("no timed step rows: the run's metrics hold no training step")
-    starts, segs = {s + 1 for s in resumed_from}, [[]]
+    rf = list(resumed_from)
+    kept = [s for i, s in enumerate(rf) if all(t >= s for t in rf[i + 1:])]    # a resume a later one went back before: its rows were rewound
+    segs, last = [[]], None
     for r in rows:
         if "time" not in r: continue
-        if "step_seconds" in r and r["step"] in starts and any("step_seconds" in x for x in segs[-1]): segs.append([])
+        if "step_seconds" in r:
+            if last is not None and any(last <= s < r["step"] for s in kept): segs.append([])   # a new process began after step s
+            last = r["step"]
         segs[-1].append(r)
     def span(seg):
         first = next(x for x in seg if "step_seconds" in x)
@@ -436,8 +440,10 @@ def screen_results(paths: dict, # arm -> screen_path(...) of one seed, every arm
         f.append(finding(f"{arm.replace(' ', '_')}.target_cosine", paths[arm][-1]["target_cosine"], f"{arm} ({SCREEN_ARMS[arm]}): final target cosine", ".4f"))
         if gate["matters"]: f.append(finding(f"{arm.replace(' ', '_')}.recovery", recovery(paths, arm), f"{arm}: recovery (of the standard block's margin)", ".2f"))
     if arm_seconds:                                          # the study's training time by the arms' own clocks (a Run that read some arms took less)
+        said = ([f"read from completed runs, not trained by this Run: {', '.join(f'{a} (code {c})' for a, c in arms_read.items())}"] if arms_read else []) + \
+               ([f"resumed by this Run: {', '.join(f'{a} (from step {s})' for a, s in arms_resumed.items())}"] if arms_resumed else [])
         f.append(finding("screens.train_seconds", sum(arm_seconds.values()), f"the {len(arm_seconds)} arms' training, by their own clocks (s)", ".0f",
-                         note=f"read from completed runs, not trained by this Run: {', '.join(f'{a} (code {c})' for a, c in arms_read.items())}" if arms_read else None))
+                         note="; ".join(said) or None))
     v = [verdict("positive control: attention separates from the attention-free control on this substrate", None, gate["line"],
                  reading="separates" if gate["matters"] else "does not separate")]
     claims = screen_claims(paths)
