@@ -264,7 +264,7 @@ def screen_dir(root, arm: str, seed: int) -> Path:
 def train_screen(cfg: ScreenConfig, arm: str, seed: int, run_dir, # where the run lives (resumable)
                  targets: str = "auto", # as for run_consensus_training
                  device=None, progress: bool = False,
-                 on_complete: str = "refuse" # the arm's run already complete: "refuse" (law 16) or "read" (its weights and metrics, nothing trained)
+                 on_complete: str = "refuse" # the arm's run already complete: "refuse" (LAWS.md law 16) or "read" (its weights and metrics, nothing trained)
                 ):
     "Train one arm of the screens on the one loop; returns the ConsensusRun (its config checked to be the arm's)."
     if arm not in SCREEN_ARMS: raise ValueError(f"unknown screen arm {arm!r}: the arms are {list(SCREEN_ARMS)}")

@@ -67,7 +67,7 @@ def run_consensus_training(seed: int = 0, # the run's seed
                            teachers=None, # a roster of one's own instead of `roster`: teacher specs (teachers.roster_text), the first the reference
                            captions: Optional[str] = None, # the captions the targets are built from instead of the preset's (a spec: sources.open_captions)
                            student=None, # the student's size instead of the preset's: a size name or explicit dims (student_config)
-                           on_complete: str = "refuse" # a run directory already complete: "refuse" (law 16) or "read" (its weights, nothing trained)
+                           on_complete: str = "refuse" # a run directory already complete: "refuse" (LAWS.md law 16) or "read" (its weights, nothing trained)
                           ) -> ConsensusRun:
     "Targets -> tokenized captions -> student -> the one training loop (-> the harness); returns the run and the trained model. A roster or captions of one's own are explored first (explore_first)."
     preset, cfg, encoder_config = resolve_recipe(preset, roster, teachers, max_steps, train_config, captions, student, encoder_config)
