@@ -7,8 +7,8 @@ plain-MLP control at parameter parity), KL-distilled from a larger sibling; the 
 __all__ = ['GATE_REACH_RATIO', 'RELAY_KINDS', 'TEACHER_MARGIN', 'PLANT_SHARE', 'PLANT_MARGIN', 'RELAY_BANDS', 'LOWER_IS_BETTER',
            'gate_travel_needed', 'placement_reading', 'RelayConfig', 'Relay', 'weights_fingerprint', 'decoder_layers',
            'RelayModel', 'check_parity', 'relay_pair', 'check_same_vocab', 'token_kl', 'check_teacher_ahead',
-           'DistillLoss', 'row_kl', 'held_out_kl', 'site_contributions', 'distill', 'planted_teacher', 'plant_reading',
-           'gauge_statistic', 'relay_verdict', 'load_hub_lm', 'lm_eval_scores', 'relay_plan', 'main']
+           'DistillLoss', 'row_kl', 'held_out_kl', 'site_contributions', 'distill', 'planted_teacher', 'site_knockouts',
+           'plant_reading', 'gauge_statistic', 'relay_verdict', 'load_hub_lm', 'lm_eval_scores', 'relay_plan', 'main']
 
 # %% ../nbs/12_relay.ipynb #6a1b3662
 import contextlib, copy, dataclasses, hashlib, math
@@ -213,7 +213,7 @@ class RelayModel(nn.Module):
         if getattr(base, "_relay_hooks", None):
             raise ValueError("this model already carries the relays of another RelayModel: give each RelayModel its own copy "
                              "(copy.deepcopy(base)) or call .remove() on the other first")
-        self.base, self.sites, self.kind, self.active = base, sites, kind, True
+        self.base, self.sites, self.kind, self.active, self.off_sites = base, sites, kind, True, frozenset()
         self.width, self.tau, self.gate_init, self.anchor_std = width, tau, gate_init, anchor_std
         for p in base.parameters(): p.requires_grad_(False)
         self.base_weights = weights_fingerprint(base)                       # every base weight, hashed: what "frozen" means
@@ -227,13 +227,22 @@ class RelayModel(nn.Module):
     def _applies(self) -> bool: return self.active
     def _hook(self, site):
         def hook(module, args, output):
-            if not self._applies(): return output
+            if not self._applies() or site in self.off_sites: return output
             if isinstance(output, tuple): return (self.relays[str(site)](output[0]),) + tuple(output[1:])
             return self.relays[str(site)](output)
         return hook
     def forward(self, input_ids, attention_mask=None, **kw):
         "The base model's output (its `.logits` [B, L, V]) with the relays applied where active."
         return self.base(input_ids=input_ids, attention_mask=attention_mask, **kw)
+    def relay_off(self, site: int):
+        "A context in which the relay at `site` alone is bypassed (a knockout); the others stay as they are."
+        if site not in self.sites: raise ValueError(f"no relay at site {site}: the sites are {self.sites}")
+        @contextlib.contextmanager
+        def ctx():
+            was, self.off_sites = self.off_sites, self.off_sites | {site}
+            try: yield self
+            finally: self.off_sites = was
+        return ctx()
     def relays_off(self):
         "A context in which every relay is bypassed (the frozen model)."
         @contextlib.contextmanager
@@ -438,6 +447,15 @@ def planted_teacher(base, # the frozen student (copied, never changed)
         kl_at(hi)                                                             # the plant left at hi's scale (the last read may have been lo's)
     spec = {"site": site, "kind": kind, "kl": got, "kl_top": top, "share": share, "seed": seed + 7919, "relay": weights_fingerprint(plant.relays)[:16]}
     return plant.base, spec        # the copy carries the plant's hook (the copy keeps the plant alive); its config is the student's
+
+@torch.no_grad()
+def site_knockouts(model: RelayModel, teacher, store: TokenStore, rows: Sequence[int], batch_size: int = 64) -> dict:
+    "{site: held-out KL(teacher || model) with that site's relay bypassed, less the KL with every relay on}: what each relay carries of the teacher (reported beside the gate reading; not read)."
+    on = held_out_kl(teacher, model, store, rows, batch_size)
+    out = {}
+    for s in model.sites:
+        with model.relay_off(s): out[s] = held_out_kl(teacher, model, store, rows, batch_size) - on
+    return out
 
 def plant_reading(sites: Sequence[int], # every relay site of the study
                   planted: int, # the site the plant lives at
