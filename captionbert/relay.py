@@ -451,6 +451,7 @@ def planted_teacher(base, # the frozen student (copied, never changed)
 @torch.no_grad()
 def site_knockouts(model: RelayModel, teacher, store: TokenStore, rows: Sequence[int], batch_size: int = 64) -> dict:
     "{site: held-out KL(teacher || model) with that site's relay bypassed, less the KL with every relay on}: what each relay carries of the teacher (reported beside the gate reading; not read)."
+    if not model.active or model.off_sites: raise ValueError(f"knockouts are read from a model with every relay on (active {model.active}, bypassed {sorted(model.off_sites)})")
     on = held_out_kl(teacher, model, store, rows, batch_size)
     out = {}
     for s in model.sites:
