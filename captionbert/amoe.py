@@ -98,13 +98,14 @@ class ArmStudyConfig(Presets):
     dev_task: str = DEV_TASKS[0]              # the dev set every selection is made on (never reported as a result)
     retrieval_images: Optional[int] = None    # Flickr8k held-out images the retrieval task ranks (a seeded subset); None: all 1,000 a split
     relation_size: str = "cpu"                # the recall substrate's size (teachers.RECALL_ROWS) the positive control's arm learns (below)
+    relation_steps: Optional[int] = None      # training steps of the positive control's recall and shuffled-target arms; None: the arms' steps
     siblings: tuple = (("A", None, 0.82), ("B", None, 1.0))   # 07's two backbones: (name, 05_train preset or None = backbone_preset,
                                               #   fraction of the captions, or None = the preset's own rows and steps)
     @classmethod
-    def cpu(cls, **kw): return cls(**{"name": "cpu", **kw})
+    def cpu(cls, **kw): return cls(**{"name": "cpu", "relation_steps": 600, **kw})   # 600: set after seeds 0 and 1 (disclosed in the control's section)
     @classmethod
     def smoke(cls, **kw): return cls(**{"name": "smoke", "backbone_preset": "smoke", "rank": 8, "steps": 15, "key_steps": 15, "batch_size": 32,
-                                       "pairs": 512, "pair_source": "grammar", "retrieval_images": 100, "relation_size": "smoke", "sweep_seeds": (0,), "tasks": ("stsb", "biosses"), **kw})
+                                       "pairs": 512, "pair_source": "grammar", "retrieval_images": 100, "relation_size": "smoke", "relation_steps": 20, "sweep_seeds": (0,), "tasks": ("stsb", "biosses"), **kw})
     @classmethod
     def published(cls, **kw):
         "The published study: three arms of rank 132 (1,629,744 adapter parameters each) on the v2 trunk, the hub pair sets; 07's siblings v2 and v2-B."
@@ -117,6 +118,7 @@ class ArmStudyConfig(Presets):
         if self.dev_task in self.tasks: raise ValueError(f"the dev set {self.dev_task!r} cannot also be a reported test set ({self.tasks})")
         if not self.taus or not self.sweep_seeds: raise ValueError("the sweep needs at least one temperature and one seed")
         if self.pair_source not in PAIR_SOURCES: raise ValueError(f"unknown pair source {self.pair_source!r}: one of {list(PAIR_SOURCES)}")
+        if self.relation_steps is not None and (isinstance(self.relation_steps, bool) or not isinstance(self.relation_steps, int) or self.relation_steps < 1): raise ValueError(f"the control's arms train at least one step, got relation_steps={self.relation_steps}")
         if self.relation_size not in RECALL_ROWS: raise ValueError(f"unknown relation size {self.relation_size!r}: the recall substrate has {list(RECALL_ROWS)}")
         if len(self.siblings) != 2: raise ValueError(f"a transplant needs two sibling backbones, got {self.siblings}")
         frames = {n: TrainConfig.preset(p).alignment for n, p, _ in self.sibling_runs()}   # the targets' alignment preset: their frame
@@ -148,7 +150,7 @@ class ArmStudyConfig(Presets):
                 "trunk_with_library_params": trunk + len(arms) * (arm.n_adapter_params + e.hidden),
                 "pairs_from": {t: HUB_PAIRS[t][0] for t in arms} if self.pair_source == "hub" else self.pair_source,
                 "taus": list(self.taus), "sweep_seeds": list(self.sweep_seeds), "backbones": backbones,
-                "relation_control": {"substrate": "recall", "rows": RECALL_ROWS[self.relation_size], "steps": self.steps} if section == "06_amoe" else None,
+                "relation_control": {"substrate": "recall", "rows": RECALL_ROWS[self.relation_size], "steps": self.relation_train_config().max_steps} if section == "06_amoe" else None,
                 "backbone_runs": {p: f"runs/05_train-{p}-seed{b}" for p in own}}   # the 05 runs the Run section reads (and checks: resolve_backbones)
         for p, d in plan["backbone_runs"].items():            # the folder 05's own plan names for that trunk's run (its export stage)
             named = plan_run(p, b)["run_dir"]
@@ -165,6 +167,9 @@ class ArmStudyConfig(Presets):
         n = self.steps if steps is None else steps
         return TrainConfig(name=f"arm-{self.name}", batch_size=self.batch_size, max_steps=n, lr=self.lr, warmup_steps=max(1, n // 10),
                            eval_every=10**9, ckpt_every_steps=10**9, log_every=10)
+    def relation_train_config(self):
+        "The TrainConfig of the positive control's arms (06): the arms' recipe at relation_steps."
+        return self.train_config(self.relation_steps)
 
 def study_pairs(cfg: ArmStudyConfig, seed: int = 0,
                 table: Optional[FlickrImages] = None # the Flickr table; None: load_flickr_images() when the source is flickr
@@ -356,7 +361,7 @@ class RelationHead(nn.Module):
 
 def train_relation_arm(backbone: CaptionEncoder, # frozen
                        arm: Arm, # the arm to train (its adapters and key)
-                       data: RelationData, cfg: TrainConfig, run_dir, # cfg: the study's arm recipe (ArmStudyConfig.train_config)
+                       data: RelationData, cfg: TrainConfig, run_dir, # cfg: the control's recipe (ArmStudyConfig.relation_train_config)
                        tau: float = 0.10, seed: int = 0, device=None, progress: bool = False,
                        targets=None): # what the arm learns by row id; None: the relation's own (PermutedTargets: a relation that is none)
     "Train one arm solo on a frozen backbone toward the relation's targets (05's ConsensusLoss through RelationHead's map), on the workbook's one loop; returns the TrainResult."
