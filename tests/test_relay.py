@@ -31,7 +31,10 @@ def test_gate_budget_reaches_a_tenfold_change(size):
     from captionbert.loop import summed_lr
     assert plain.train_config("distill").lr_scales == () and plain.gate_lr_scale() == 1.0                    # no reach asked: the recipe's own lr
     assert plain.gate_reach() == pytest.approx(summed_lr(plain.train_config("distill")))
-    assert placement_reading(plain.gate_reach(), need).startswith("untested")      # every size's recipe alone falls short
+    alone = summed_lr(cfg.train_config("distill"))                                  # the recipe's own reach
+    assert placement_reading(plain.gate_reach(), need).startswith("untested") == (alone < need)   # untested exactly where the recipe alone falls short
+    assert (cfg.gate_lr_scale() == 1.0) == (alone >= need)                          # and no gate multiplier where it does not
+    assert (alone >= need) == (size == "narrow")   # narrow's 800 steps at lr 1e-2 reach it alone; every other size needs the multiplier
 
 
 def test_relay_control_passes_on_its_planted_input():
