@@ -6,7 +6,7 @@ judged by a gate declared before the arm is built."""
 # %% ../nbs/09_depth.ipynb #1cc242c9
 from __future__ import annotations
 
-import dataclasses, json, time
+import copy, dataclasses, json, time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable, Optional, Sequence
@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from .arm import DepthArm, DepthModel, assert_disengage_exact, load_depth_arm, save_depth_arm
 from .benchmark import TASK_NAMES
 from .binding import (BINDING_BAR, CHANCE, CONTEXT, DIRECTIONS, MIN_BAND, MIN_DEPTHS, BindingItem, DepthPlan, above_chance, binding_holds,
-                                 ratio_bars, read_states)
+                                 ratio_bars, read_states, scene_reads, token_table)
+from .sources import ATTRIBUTE_KINDS, NOUNS
 from .targets import builds_of, load_targets
 from .core import GuardError, Presets, RunDir, sha256_bytes
 from .data import Batch, bundled_minilm_path, collate, load_tokenizer, runs_dir, sorted_batches, token_store, tokenizer_fingerprint
@@ -29,9 +30,9 @@ from .loop import TrainConfig, train
 from .recipe import caption_source, run_rows
 
 # %% auto #0
-__all__ = ['depth_gate', 'LongInputs', 'TokenDistill', 'DepthConfig', 'study_seeds', 'position_reach', 'trained_range',
-           'load_teacher', 'train_depth_arm', 'check_fresh_study', 'declare_gate', 'repair_arc', 'repair_split',
-           'show_split', 'PooledStates']
+__all__ = ['depth_gate', 'LongInputs', 'TokenDistill', 'BindingRows', 'BindingHeads', 'BindingObjective', 'bind_trunk',
+           'DepthConfig', 'study_seeds', 'position_reach', 'trained_range', 'load_teacher', 'train_depth_arm',
+           'check_fresh_study', 'declare_gate', 'repair_arc', 'repair_split', 'show_split', 'PooledStates']
 
 # %% ../nbs/09_depth.ipynb #c38905d5
 def depth_gate(rows: Sequence[dict], # a spectrum (read_spectrum) of the engaged model
@@ -95,6 +96,86 @@ class TokenDistill:
         cos = F.cosine_similarity(s[m].float(), t[m].float(), dim=-1)
         return (1 - cos).mean(), {"token_cosine": cos.mean().detach()}
 
+# %% ../nbs/09_depth.ipynb #bc19b498
+class BindingRows:
+    "The batch of every step of the binding objective (a pure function of seed and row id): one side of a training item placed at a random depth inside neutral filler, rows of `min_length`..`length` tokens, with where each object's noun and attribute sit (`labels`)."
+    def __init__(self, tokenizer, items: Sequence[BindingItem], # training items (a grammar seed of their own: never the probe's fit or held-out items)
+                 filler: Sequence[int], length: int, # the longest row, [CLS] and [SEP] included (the trunk's trained range: past it stays the arm's question)
+                 batch_size: int, seed: int = 0, min_length: int = 16 # the shortest row (raised to hold the longest item)
+                ):
+        kinds = sorted({it.kind for it in items})
+        if len(kinds) != 1: raise ValueError(f"the binding objective reads one attribute kind; these items swap {kinds or 'nothing (no items)'}")
+        values, self.sides = dict(ATTRIBUTE_KINDS)[kinds[0]], []
+        for it in items:
+            for sc in it.sides():
+                pieces = [tokenizer(w, add_special_tokens=False)["input_ids"] for w in sc.words()]
+                first = np.cumsum([0] + [len(p) for p in pieces])[:-1]                # each word's first token, from the item's start
+                reads = scene_reads(sc, it.kind)
+                self.sides.append(([t for p in pieces for t in p], [int(first[r[0]]) for r in reads], [int(first[r[1]]) for r in reads],
+                                   [NOUNS.index(r[2]) for r in reads], [list(values).index(r[3]) for r in reads]))
+        longest = max(len(s[0]) for s in self.sides)
+        if longest + 2 > length: raise ValueError(f"rows of {length} tokens cannot hold an item of {longest} tokens with [CLS] and [SEP]")
+        if len(filler) < length + 1: raise ValueError(f"the filler holds {len(filler)} tokens; rows of {length} need at least {length + 1}")
+        self.filler, self.length, self.batch_size, self.seed = list(filler), length, batch_size, seed
+        self.min_length, self.n_attributes, self.kind = min(length, max(min_length, longest + 2)), len(values), kinds[0]
+        self.cls, self.sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+    def row(self, rid: int) -> tuple:
+        "(token ids, each object's noun position, its attribute position, its noun, its attribute) of row `rid`: positions in the row, classes as indices."
+        rng = np.random.default_rng([self.seed, int(rid), 0xB1, self.length])   # a stream of its own (LongInputs draws [seed, step]; each length its own)
+        ids, npos, apos, noun, attr = self.sides[rng.integers(len(self.sides))]
+        L = int(rng.integers(self.min_length, self.length + 1))
+        depth = int(rng.integers(1, L - len(ids)))                                   # the item ends before [SEP] at L - 1
+        f = self.filler[(o := int(rng.integers(0, len(self.filler) - L))): o + L]
+        return ([self.cls, *f[:depth - 1], *ids, *f[depth - 1:L - len(ids) - 2], self.sep],
+                [depth + p for p in npos], [depth + p for p in apos], noun, attr)
+    def __call__(self, step: int) -> Batch:
+        rows = range(step * self.batch_size, (step + 1) * self.batch_size)
+        return collate([self.row(r)[0] for r in rows], rows)
+    def labels(self, rows) -> tuple:
+        "[B, 2] long tensors of the rows' noun positions, attribute positions, nouns and attributes (two objects a row)."
+        got = [self.row(int(r))[1:] for r in rows]
+        return tuple(torch.tensor([g[k] for g in got], dtype=torch.long) for k in range(4))
+
+class BindingHeads(nn.Module):
+    "A trunk with the binding objective's two training-only linear heads (a noun's state -> its attribute, an attribute's state -> its noun); `bind_trunk` keeps the trunk and drops the heads."
+    def __init__(self, trunk: nn.Module, n_attributes: int, n_nouns: int = len(NOUNS)):
+        super().__init__()
+        width = token_table(trunk).shape[1]
+        self.trunk, self.to_attribute, self.to_noun = trunk, nn.Linear(width, n_attributes), nn.Linear(width, n_nouns)
+    def forward(self, input_ids, attention_mask=None): return self.trunk(input_ids, attention_mask)
+
+class BindingObjective:
+    "The binding probe's two directions as a training signal: cross-entropy of each object's attribute read from its noun's state and of its noun read from its attribute's state (every object of every row)."
+    def __init__(self, rows: BindingRows): self.rows = rows
+    def __call__(self, model: BindingHeads, batch: Batch, global_batch: Batch):
+        h = model(batch.input_ids, batch.attention_mask).last_hidden_state                 # [B, L, D]
+        npos, apos, noun, attr = (t.to(h.device) for t in self.rows.labels(batch.rows))
+        r = torch.arange(h.shape[0], device=h.device)[:, None].expand(-1, 2)
+        la = F.cross_entropy(model.to_attribute(h[r, npos]).flatten(0, 1).float(), attr.flatten())
+        ln = F.cross_entropy(model.to_noun(h[r, apos]).flatten(0, 1).float(), noun.flatten())
+        return la + ln, {"attribute_ce": la.detach(), "noun_ce": ln.detach()}
+
+def bind_trunk(trunk: nn.Module, # the trunk, or a BindingHeads to go on training with its own heads (never changed: a copy is trained)
+               rows: BindingRows, run_dir, corpus: dict, # where the training is logged; the training data's identity
+               steps: int, lr: float, seed: int = 0, device=None, progress: bool = False) -> tuple:
+    "(a copy of `trunk` with the binding objective's heads, trained on the one loop, every weight; frozen, in eval mode: read its `.trunk`; what it trained and the heads' final cross-entropy, from the run's log). A BindingHeads given goes on with its own heads (the positive control continues the bound trunk)."
+    if steps < 1: raise ValueError(f"binding a trunk takes at least one step, got {steps}")
+    torch.manual_seed(seed)
+    m = copy.deepcopy(trunk) if isinstance(trunk, BindingHeads) else BindingHeads(copy.deepcopy(trunk), rows.n_attributes)
+    if m.to_attribute.out_features != rows.n_attributes:
+        raise ValueError(f"the heads read {m.to_attribute.out_features} attribute values, the rows' kind {rows.kind!r} has {rows.n_attributes}")
+    m.train()
+    for p in m.parameters(): p.requires_grad_(True)
+    cfg = TrainConfig(name="bind", batch_size=rows.batch_size, max_steps=steps, lr=lr, warmup_steps=max(1, steps // 10), eval_every=10**9,
+                      ckpt_every_steps=10**9, log_every=10, max_tokens=rows.length, best_metric="none")
+    run = RunDir(run_dir)
+    train(m, rows, BindingObjective(rows), cfg, run, corpus, resume=False, device=device, progress=progress)
+    tail = [r for r in run.metrics() if "attribute_ce" in r][-max(1, min(20, steps // 10)):]      # the last steps' mean: one batch is noisy
+    last = {k: float(np.mean([r[k] for r in tail])) for k in ("attribute_ce", "noun_ce")}
+    m.eval()
+    for p in m.parameters(): p.requires_grad_(False)
+    return m, {"steps": steps, "lr": lr, "rows": f"{rows.min_length}..{rows.length} tokens", "attribute_ce": last["attribute_ce"], "noun_ce": last["noun_ce"]}
+
 # %% ../nbs/09_depth.ipynb #4868e8a0
 @dataclasses.dataclass(frozen=True)
 class DepthConfig(Presets):
@@ -122,17 +203,28 @@ class DepthConfig(Presets):
     sentences: int = 256              # captions the recoverability and rank probes fit on (as many others are read)
     filler_tokens: int = 20_000       # neutral filler tokens drawn from the caption source
     tasks: tuple = TASK_NAMES         # where the engaged arm's capability cost is read
-    standin: int = 64                 # the stand-in trunk (standin_trunk: the bundled MiniLM, rows from here on untrained) declared beside the stock one
+    standin: Optional[int] = 64       # the stand-in trunk (standin_trunk: the bundled MiniLM, rows from here on untrained) declared beside the stock one;
+                                      # None: not studied (bound: the bound trunk is the trunk that binds)
     standin_length: int = 512         # the length its arm extends it to (its teacher, the full MiniLM, holds 512)
     standin_layers: Optional[int] = None   # MiniLM blocks the stand-in keeps (None: all six; smoke: one, to stay cheap)
-    PRESETS, SIZE_OF = ("smoke", "cpu", "published"), "depth preset"   # core.Presets: preset(name) builds each by its classmethod
+    bind_steps: int = 0               # the binding objective's steps (bind_trunk) on rows inside the trunk's trained range, before anything is read;
+                                      # 0: the trunk as 05 trained it
+    bind_lr: float = 3e-4
+    bind_batch: int = 16              # rows a step of the binding objective
+    control_steps: int = 0            # the positive control: the bound trunk trained this many more steps on rows to `length`, read through the
+                                      # same gate (0: none; needs bind_steps)
+    PRESETS, SIZE_OF = ("smoke", "cpu", "bound", "published"), "depth preset"   # core.Presets: preset(name) builds each by its classmethod
     @classmethod
     def cpu(cls, **kw): return cls(**kw)
+    @classmethod
+    def bound(cls, **kw):
+        "cpu with the trunk first bound (300 steps of the binding objective on rows inside its trained range) and its positive control (300 more on rows to 512); the stand-in is not studied (the bound trunk is the trunk that binds), to stay near an hour."
+        return cls(**{"name": "bound", "bind_steps": 300, "control_steps": 300, "standin": None, **kw})
     @classmethod
     def smoke(cls, **kw): return cls(**{"name": "smoke", "backbone_preset": "smoke", "trained": 32, "length": 96, "depths": 8, "fit_items": 8,
                                        "held_items": 6, "rank": 4, "steps": 4, "batch_size": 2, "eval_every": 2, "sentences": 32,
                                        "filler_tokens": 3000, "tasks": ("biosses",), "standin": 32, "standin_length": 96,
-                                       "standin_layers": 1, **kw})
+                                       "standin_layers": 1, "bind_steps": 4, "control_steps": 4, "bind_batch": 4, **kw})
     @classmethod
     def published(cls, **kw):
         "The v2 trunk (max_tokens 256; its range measured by trained_range) extended to 2,304 tokens; rank 400 gives 4,926,144 adapter parameters (the card: a 5M arm)."
@@ -145,7 +237,12 @@ class DepthConfig(Presets):
         if self.depths < MIN_DEPTHS: raise GuardError(f"depths={self.depths}: a depth study reads at least {MIN_DEPTHS} depths (the depth law)")
         if self.trained is not None and not 2 <= self.trained < self.length:
             raise ValueError(f"trained ({self.trained}) must be in [2, length={self.length})")
-        if not 2 <= self.standin < self.standin_length <= 512:
+        for k in ("bind_steps", "control_steps"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0: raise ValueError(f"{k} is an int >= 0, got {v!r}")
+        if self.control_steps and not self.bind_steps:
+            raise ValueError(f"control_steps={self.control_steps}: the positive control continues the bound trunk, so it needs bind_steps > 0")
+        if self.standin is not None and not 2 <= self.standin < self.standin_length <= 512:
             raise ValueError(f"the stand-in needs 2 <= standin ({self.standin}) < standin_length ({self.standin_length}) <= 512 (its teacher's positions)")
     def train_config(self):
         "The TrainConfig of the arm's distillation on the workbook's one loop."
@@ -155,10 +252,11 @@ class DepthConfig(Presets):
 
 def study_seeds(seed: int = 0 # the study's seed (the Run's `seed` parameter)
                ) -> dict:
-    "Every draw of a depth study from its one seed (seed 0: the first studies' draws): torch, the fit / held-out / training items' grammar seeds (101, 102, 103, then + 3 a seed), the two fillers, the sentences, the shuffle, the rank noise, the long rows and the arm's init; the trunks are not drawn."
+    "Every draw of a depth study from its one seed (seed 0: the first studies' draws): torch, the fit / held-out / training items' grammar seeds (101, 102, 103, then + 3 a seed), the two fillers, the sentences, the shuffle, the rank noise, the long rows, the arm's init and the binding objective's rows and heads (the bound preset); the trunks are not drawn."
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0: raise ValueError(f"a study seed is an int >= 0, got {seed!r}")
     return {"torch": seed, "fit_items": 101 + 3 * seed, "held_items": 102 + 3 * seed, "train_items": 103 + 3 * seed,
-            "filler": 2 * seed, "filler_train": 2 * seed + 1, "sentences": seed, "shuffle": seed, "rank_noise": seed, "long_rows": seed, "arm": seed}
+            "filler": 2 * seed, "filler_train": 2 * seed + 1, "sentences": seed, "shuffle": seed, "rank_noise": seed, "long_rows": seed, "arm": seed,
+            "bind_rows": seed, "bind": seed}
 
 def position_reach(lengths, # every corpus row's token length ([CLS] and [SEP] included)
                    rows # the rows a trunk trained on
