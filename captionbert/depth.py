@@ -98,11 +98,13 @@ class TokenDistill:
 
 # %% ../nbs/09_depth.ipynb #bc19b498
 class BindingRows:
-    "The batch of every step of the binding objective (a pure function of seed and row id): one side of a training item placed at a random depth inside neutral filler, rows of `min_length`..`length` tokens, with where each object's noun and attribute sit (`labels`)."
+    "The batch of every step of the binding objective (a pure function of seed and row id): `per_row` training items (one side each) in neutral filler, each at a random offset inside its own equal segment of the row, rows of `min_length`..`length` tokens, with where each object's noun and attribute sit (`labels`)."
     def __init__(self, tokenizer, items: Sequence[BindingItem], # training items (a grammar seed of their own: never the probe's fit or held-out items)
                  filler: Sequence[int], length: int, # the longest row, [CLS] and [SEP] included (the trunk's trained range: past it stays the arm's question)
-                 batch_size: int, seed: int = 0, min_length: int = 16 # the shortest row (raised to hold the longest item)
+                 batch_size: int, seed: int = 0, min_length: int = 16, # the shortest row (raised to hold `per_row` of the longest item)
+                 per_row: int = 1 # items a row (rows to 512 hold many: every position then sees an item each step)
                 ):
+        if isinstance(per_row, bool) or not isinstance(per_row, int) or per_row < 1: raise ValueError(f"per_row is an int >= 1, got {per_row!r}")
         kinds = sorted({it.kind for it in items})
         if len(kinds) != 1: raise ValueError(f"the binding objective reads one attribute kind; these items swap {kinds or 'nothing (no items)'}")
         values, self.sides = dict(ATTRIBUTE_KINDS)[kinds[0]], []
@@ -114,25 +116,32 @@ class BindingRows:
                 self.sides.append(([t for p in pieces for t in p], [int(first[r[0]]) for r in reads], [int(first[r[1]]) for r in reads],
                                    [NOUNS.index(r[2]) for r in reads], [list(values).index(r[3]) for r in reads]))
         longest = max(len(s[0]) for s in self.sides)
-        if longest + 2 > length: raise ValueError(f"rows of {length} tokens cannot hold an item of {longest} tokens with [CLS] and [SEP]")
+        if per_row * longest + 2 > length:
+            raise ValueError(f"rows of {length} tokens cannot hold {per_row} item(s) of up to {longest} tokens with [CLS] and [SEP]")
         if len(filler) < length + 1: raise ValueError(f"the filler holds {len(filler)} tokens; rows of {length} need at least {length + 1}")
         self.filler, self.length, self.batch_size, self.seed = list(filler), length, batch_size, seed
-        self.min_length, self.n_attributes, self.kind = min(length, max(min_length, longest + 2)), len(values), kinds[0]
+        self.min_length, self.n_attributes, self.kind, self.per_row = min(length, max(min_length, per_row * longest + 2)), len(values), kinds[0], per_row
         self.cls, self.sep = tokenizer.cls_token_id, tokenizer.sep_token_id
     def row(self, rid: int) -> tuple:
-        "(token ids, each object's noun position, its attribute position, its noun, its attribute) of row `rid`: positions in the row, classes as indices."
-        rng = np.random.default_rng([self.seed, int(rid), 0xB1, self.length])   # a stream of its own (LongInputs draws [seed, step]; each length its own)
-        ids, npos, apos, noun, attr = self.sides[rng.integers(len(self.sides))]
+        "(token ids, each object's noun position, its attribute position, its noun, its attribute) of row `rid`: positions in the row, classes as indices (2 objects an item)."
+        rng = np.random.default_rng([self.seed, int(rid), 0xB1, self.length, self.per_row])   # a stream of its own (LongInputs draws [seed, step])
         L = int(rng.integers(self.min_length, self.length + 1))
-        depth = int(rng.integers(1, L - len(ids)))                                   # the item ends before [SEP] at L - 1
+        seg = (L - 2) // self.per_row                                                # each item inside its own segment between [CLS] and [SEP]
         f = self.filler[(o := int(rng.integers(0, len(self.filler) - L))): o + L]
-        return ([self.cls, *f[:depth - 1], *ids, *f[depth - 1:L - len(ids) - 2], self.sep],
-                [depth + p for p in npos], [depth + p for p in apos], noun, attr)
+        body, used, npos, apos, nouns, attrs = [], 0, [], [], [], []
+        for _ in range(self.per_row):
+            ids, np_, ap_, noun, attr = self.sides[rng.integers(len(self.sides))]
+            gap = seg - len(ids); off = int(rng.integers(0, gap + 1))               # filler before the item inside its segment
+            at = 1 + len(body) + off                                                 # the item's first position ([CLS] is 0)
+            npos += [at + p for p in np_]; apos += [at + p for p in ap_]; nouns += noun; attrs += attr
+            body += [*f[used:used + off], *ids, *f[used + off:used + gap]]; used += gap
+        body += f[used:used + L - 2 - len(body)]                                     # what the segments leave, before [SEP]
+        return [self.cls, *body, self.sep], npos, apos, nouns, attrs
     def __call__(self, step: int) -> Batch:
         rows = range(step * self.batch_size, (step + 1) * self.batch_size)
         return collate([self.row(r)[0] for r in rows], rows)
     def labels(self, rows) -> tuple:
-        "[B, 2] long tensors of the rows' noun positions, attribute positions, nouns and attributes (two objects a row)."
+        "[B, 2 * per_row] long tensors of the rows' noun positions, attribute positions, nouns and attributes (two objects an item)."
         got = [self.row(int(r))[1:] for r in rows]
         return tuple(torch.tensor([g[k] for g in got], dtype=torch.long) for k in range(4))
 
@@ -150,7 +159,7 @@ class BindingObjective:
     def __call__(self, model: BindingHeads, batch: Batch, global_batch: Batch):
         h = model(batch.input_ids, batch.attention_mask).last_hidden_state                 # [B, L, D]
         npos, apos, noun, attr = (t.to(h.device) for t in self.rows.labels(batch.rows))
-        r = torch.arange(h.shape[0], device=h.device)[:, None].expand(-1, 2)
+        r = torch.arange(h.shape[0], device=h.device)[:, None].expand_as(npos)
         la = F.cross_entropy(model.to_attribute(h[r, npos]).flatten(0, 1).float(), attr.flatten())
         ln = F.cross_entropy(model.to_noun(h[r, apos]).flatten(0, 1).float(), noun.flatten())
         return la + ln, {"attribute_ce": la.detach(), "noun_ce": ln.detach()}
