@@ -25,8 +25,8 @@ from .stats import bootstrap_interval
 # %% auto #0
 __all__ = ['GRAMMAR_WORDS', 'NEUTRAL_WORDS', 'BINDING_BAR', 'BINDING_LAMBDA', 'RECOVERY_BAR', 'RANK_BAR', 'DIRECTIONS',
            'MIN_DEPTHS', 'CONTEXT', 'CHANCE', 'MIN_BAND', 'BindingItem', 'binding_items', 'scene_reads',
-           'neutral_captions', 'filler_stream', 'place', 'ProbeSet', 'probe_set', 'read_states', 'BagOfWords',
-           'Unmixed', 'PositionOnly', 'shuffled_states', 'binding_holds', 'binding_probe', 'token_table',
+           'neutral_captions', 'filler_stream', 'place', 'ProbeSet', 'scene_tokens', 'probe_set', 'read_states',
+           'BagOfWords', 'Unmixed', 'PositionOnly', 'shuffled_states', 'binding_holds', 'binding_probe', 'token_table',
            'token_recoverability', 'grid_rank', 'rank_verdict', 'span_similarity', 'above_chance', 'ratio_bars',
            'DepthPlan', 'spectrum_depths', 'read_spectrum', 'band_read', 'similarity_kept', 'spectrum_ends']
 
@@ -133,22 +133,26 @@ class ProbeSet:
     def __len__(self): return self.batch.input_ids.shape[0]
     def __repr__(self): return f"ProbeSet({len(self.rows)} items at depth {self.depth}, L={self.batch.input_ids.shape[1]})"
 
+def scene_tokens(tokenizer, scene: Scene, kind: str = "colour") -> tuple:
+    "(token ids, each object's noun offset, its attribute offset, its noun, its attribute) of one side of an item: offsets from the item's first token (each word's first piece), classes as indices into sources.NOUNS and the kind's values."
+    pieces = [tokenizer(w, add_special_tokens=False)["input_ids"] for w in scene.words()]
+    first = np.cumsum([0] + [len(p) for p in pieces])[:-1]                      # each word's first token, from the item's start
+    reads, values = scene_reads(scene, kind), list(dict(ATTRIBUTE_KINDS)[kind])
+    return ([t for p in pieces for t in p], [int(first[r[0]]) for r in reads], [int(first[r[1]]) for r in reads],
+            [NOUNS.index(r[2]) for r in reads], [values.index(r[3]) for r in reads])
+
 def probe_set(tokenizer, items: Sequence[BindingItem], filler: Sequence[int], # neutral filler token ids
               depth: int, capacity: int) -> ProbeSet:
     "Place every item (both sides) at `depth` inside the same filler, and record each object's noun and attribute token positions."
-    values = {k: list(v) for k, v in ATTRIBUTE_KINDS}
     kinds = sorted({it.kind for it in items})
     if len(kinds) != 1: raise ValueError(f"a probe set reads one attribute kind; these items swap {kinds}: make one probe set a kind")
     ids, npos, apos, noun, attr, span, rows = [], [], [], [], [], [], []
     for it in items:
         for s, scene in enumerate(it.sides()):
-            pieces = [tokenizer(w, add_special_tokens=False)["input_ids"] for w in scene.words()]
-            first = np.cumsum([0] + [len(p) for p in pieces])[:-1] + depth      # each word's first token position
-            seq = place([t for p in pieces for t in p], filler, depth, capacity, tokenizer.cls_token_id, tokenizer.sep_token_id)
-            reads = scene_reads(scene, it.kind)
+            toks, no, ao, nn_, aa = scene_tokens(tokenizer, scene, it.kind)
+            seq = place(toks, filler, depth, capacity, tokenizer.cls_token_id, tokenizer.sep_token_id)
             ids.append(seq); rows.append(2 * it.row + s)
-            npos.append([int(first[r[0]]) for r in reads]); apos.append([int(first[r[1]]) for r in reads])
-            noun.append([NOUNS.index(r[2]) for r in reads]); attr.append([values[it.kind].index(r[3]) for r in reads])
+            npos.append([depth + o for o in no]); apos.append([depth + o for o in ao]); noun.append(nn_); attr.append(aa)
             span.append([depth, len(seq) - 1])
     t = lambda x: torch.tensor(x, dtype=torch.long)
     return ProbeSet(collate(ids, rows), t(npos), t(apos), t(noun), t(attr), t(span), depth, tuple((it.seed, it.row) for it in items), kinds[0])

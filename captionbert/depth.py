@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .arm import DepthArm, DepthModel, assert_disengage_exact, load_depth_arm, save_depth_arm
 from .benchmark import TASK_NAMES
 from .binding import (BINDING_BAR, CHANCE, CONTEXT, DIRECTIONS, MIN_BAND, MIN_DEPTHS, BindingItem, DepthPlan, above_chance, binding_holds,
-                                 ratio_bars, read_states, scene_reads, token_table)
+                                 ratio_bars, read_states, scene_tokens, token_table)
 from .sources import ATTRIBUTE_KINDS, NOUNS
 from .targets import builds_of, load_targets
 from .core import GuardError, Presets, RunDir, sha256_bytes
@@ -107,14 +107,8 @@ class BindingRows:
         if isinstance(per_row, bool) or not isinstance(per_row, int) or per_row < 1: raise ValueError(f"per_row is an int >= 1, got {per_row!r}")
         kinds = sorted({it.kind for it in items})
         if len(kinds) != 1: raise ValueError(f"the binding objective reads one attribute kind; these items swap {kinds or 'nothing (no items)'}")
-        values, self.sides = dict(ATTRIBUTE_KINDS)[kinds[0]], []
-        for it in items:
-            for sc in it.sides():
-                pieces = [tokenizer(w, add_special_tokens=False)["input_ids"] for w in sc.words()]
-                first = np.cumsum([0] + [len(p) for p in pieces])[:-1]                # each word's first token, from the item's start
-                reads = scene_reads(sc, it.kind)
-                self.sides.append(([t for p in pieces for t in p], [int(first[r[0]]) for r in reads], [int(first[r[1]]) for r in reads],
-                                   [NOUNS.index(r[2]) for r in reads], [list(values).index(r[3]) for r in reads]))
+        values = dict(ATTRIBUTE_KINDS)[kinds[0]]
+        self.sides = [scene_tokens(tokenizer, sc, it.kind) for it in items for sc in it.sides()]   # the probe's own reading of each side
         longest = max(len(s[0]) for s in self.sides)
         if per_row * longest + 2 > length:
             raise ValueError(f"rows of {length} tokens cannot hold {per_row} item(s) of up to {longest} tokens with [CLS] and [SEP]")
@@ -169,8 +163,9 @@ def bind_trunk(trunk: nn.Module, # the trunk, or a BindingHeads to go on trainin
                steps: int, lr: float, seed: int = 0, device=None, progress: bool = False) -> tuple:
     "(a copy of `trunk` with the binding objective's heads, trained on the one loop, every weight; frozen, in eval mode: read its `.trunk`; what it trained and the heads' final cross-entropy, from the run's log). A BindingHeads given goes on with its own heads (the positive control continues the bound trunk)."
     if steps < 1: raise ValueError(f"binding a trunk takes at least one step, got {steps}")
-    torch.manual_seed(seed)
-    m = copy.deepcopy(trunk) if isinstance(trunk, BindingHeads) else BindingHeads(copy.deepcopy(trunk), rows.n_attributes)
+    with torch.random.fork_rng(devices=[]):                                          # the heads' draw, without moving the caller's RNG
+        torch.manual_seed(seed)
+        m = copy.deepcopy(trunk) if isinstance(trunk, BindingHeads) else BindingHeads(copy.deepcopy(trunk), rows.n_attributes)
     if m.to_attribute.out_features != rows.n_attributes:
         raise ValueError(f"the heads read {m.to_attribute.out_features} attribute values, the rows' kind {rows.kind!r} has {rows.n_attributes}")
     m.train()
@@ -183,7 +178,7 @@ def bind_trunk(trunk: nn.Module, # the trunk, or a BindingHeads to go on trainin
     last = {k: float(np.mean([r[k] for r in tail])) for k in ("attribute_ce", "noun_ce")}
     m.eval()
     for p in m.parameters(): p.requires_grad_(False)
-    return m, {"steps": steps, "lr": lr, "rows": f"{rows.min_length}..{rows.length} tokens", "attribute_ce": last["attribute_ce"], "noun_ce": last["noun_ce"]}
+    return m, {"steps": steps, "lr": lr, "rows": f"{rows.min_length}..{rows.length} tokens", "per_row": rows.per_row, "attribute_ce": last["attribute_ce"], "noun_ce": last["noun_ce"]}
 
 # %% ../nbs/09_depth.ipynb #4868e8a0
 @dataclasses.dataclass(frozen=True)
@@ -220,20 +215,22 @@ class DepthConfig(Presets):
                                       # 0: the trunk as 05 trained it
     bind_lr: float = 3e-4
     bind_batch: int = 16              # rows a step of the binding objective
-    control_steps: int = 0            # the positive control: the bound trunk trained this many more steps on rows to `length`, read through the
-                                      # same gate (0: none; needs bind_steps)
+    control_steps: int = 0            # the positive control: the bound trunk trained this many more steps on rows of `length` tokens, read
+                                      # through the same gate (0: none; needs bind_steps)
+    control_lr: float = 1e-3
+    control_per_row: int = 12         # items a row of the positive control (each in its own segment: every depth is trained every step)
     PRESETS, SIZE_OF = ("smoke", "cpu", "bound", "published"), "depth preset"   # core.Presets: preset(name) builds each by its classmethod
     @classmethod
     def cpu(cls, **kw): return cls(**kw)
     @classmethod
     def bound(cls, **kw):
-        "cpu with the trunk first bound (300 steps of the binding objective on rows inside its trained range) and its positive control (300 more on rows to 512); the stand-in is not studied (the bound trunk is the trunk that binds), to stay near an hour."
-        return cls(**{"name": "bound", "bind_steps": 300, "control_steps": 300, "standin": None, **kw})
+        "cpu with the trunk first bound (600 steps of the binding objective on rows inside its trained range), its positive control (300 more on rows of 256 tokens, 12 items a row), the arm's length 256; the stand-in is not studied (the bound trunk is the trunk that binds)."
+        return cls(**{"name": "bound", "length": 256, "bind_steps": 600, "control_steps": 300, "standin": None, **kw})
     @classmethod
     def smoke(cls, **kw): return cls(**{"name": "smoke", "backbone_preset": "smoke", "trained": 32, "length": 96, "depths": 8, "fit_items": 8,
                                        "held_items": 6, "rank": 4, "steps": 4, "batch_size": 2, "eval_every": 2, "sentences": 32,
                                        "filler_tokens": 3000, "tasks": ("biosses",), "standin": 32, "standin_length": 96,
-                                       "standin_layers": 1, "bind_steps": 4, "control_steps": 4, "bind_batch": 4, **kw})
+                                       "standin_layers": 1, "bind_steps": 4, "control_steps": 4, "bind_batch": 4, "control_per_row": 4, **kw})
     @classmethod
     def published(cls, **kw):
         "The v2 trunk (max_tokens 256; its range measured by trained_range) extended to 2,304 tokens; rank 400 gives 4,926,144 adapter parameters (the card: a 5M arm)."
