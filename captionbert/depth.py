@@ -133,10 +133,12 @@ class BindingRows:
         return [self.cls, *body, self.sep], npos, apos, nouns, attrs
     def __call__(self, step: int) -> Batch:
         rows = range(step * self.batch_size, (step + 1) * self.batch_size)
-        return collate([self.row(r)[0] for r in rows], rows)
+        self._built = {r: self.row(r) for r in rows}                                 # the step's rows, kept for `labels` (built once a step)
+        return collate([self._built[r][0] for r in rows], rows)
     def labels(self, rows) -> tuple:
         "[B, 2 * per_row] long tensors of the rows' noun positions, attribute positions, nouns and attributes (two objects an item)."
-        got = [self.row(int(r))[1:] for r in rows]
+        built = getattr(self, "_built", {})
+        got = [(built[int(r)] if int(r) in built else self.row(int(r)))[1:] for r in rows]
         return tuple(torch.tensor([g[k] for g in got], dtype=torch.long) for k in range(4))
 
 class BindingHeads(nn.Module):
@@ -162,7 +164,7 @@ def bind_trunk(trunk: nn.Module, # the trunk, or a BindingHeads to go on trainin
                rows: BindingRows, run_dir, corpus: dict, # where the training is logged; the training data's identity
                steps: int, lr: float, seed: int = 0, device=None, progress: bool = False) -> tuple:
     "(a copy of `trunk` with the binding objective's heads, trained on the one loop, every weight; frozen, in eval mode: read its `.trunk`; what it trained and the heads' final cross-entropy, from the run's log). A BindingHeads given goes on with its own heads (the positive control continues the bound trunk)."
-    if steps < 1: raise ValueError(f"binding a trunk takes at least one step, got {steps}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1: raise ValueError(f"binding a trunk takes at least one step (an int), got {steps!r}")
     with torch.random.fork_rng(devices=[]):                                          # the heads' draw, without moving the caller's RNG
         torch.manual_seed(seed)
         m = copy.deepcopy(trunk) if isinstance(trunk, BindingHeads) else BindingHeads(copy.deepcopy(trunk), rows.n_attributes)
